@@ -1,0 +1,121 @@
+"""The admission decision: from a request body to a lease or a refusal. No gRPC, no sockets.
+
+Steps (DESIGN.md, "The request path"): parse; find the pool by model; count the prompt tokens;
+clamp or inject the output limit; turn prompt + output into blocks; reserve in the ledger.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+
+from kvguard.counting import PromptCounter
+from kvguard.errors import Code, Refusal
+from kvguard.estimate import blocks_needed, clamp
+from kvguard.ledger import Claim, Lease, Ledger, Outcome
+from kvguard.policy import Identity, Policy
+from kvguard.request import Kind, parse
+
+# Seconds a 429 asks the client to wait. A constant for now: leases end when responses do,
+# which kvguard cannot foresee.
+RETRY_AFTER_S = 1
+
+# Refusals that shadow mode lets pass: capacity and availability, never malformed input.
+SHADOWABLE = frozenset({
+    Code.TENANT_BLOCK_QUOTA_EXCEEDED,
+    Code.KV_CACHE_WATERMARK_EXCEEDED,
+    Code.REQUEST_EXCEEDS_CAPACITY,
+    Code.CAPACITY_UNKNOWN,
+    Code.LEDGER_UNAVAILABLE,
+})
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """A request that may go upstream, with what must change on its way."""
+
+    pool: str
+    lease: Lease | None  # None only in shadow mode, for a request that would be refused
+    body: bytes | None  # the rewritten body; None when it goes unchanged
+    headers: dict[str, str]  # headers to set on the upstream request
+    prompt_tokens: int
+    blocks: int
+    would_refuse: Code | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionSettings:
+    max_body_bytes: int
+    lease_seconds: float
+
+
+class Admission:
+    """Decides requests against the current policy; the ledger and counter are injected."""
+
+    def __init__(self, ledger: Ledger, counter: PromptCounter, settings: AdmissionSettings) -> None:
+        self.ledger = ledger
+        self.counter = counter
+        self.settings = settings
+
+    async def decide(self, policy: Policy, kind: Kind, identity: Identity,
+                     raw: bytes) -> Admitted:
+        """Admit (a lease is held until `ledger.release`) or raise Refusal."""
+        try:
+            return await self._decide(policy, kind, identity, raw)
+        except Refusal as refusal:
+            if not policy.shadow or refusal.code not in SHADOWABLE:
+                raise
+            return Admitted("", None, None, {"x-kvguard-would-refuse": refusal.code.value},
+                            0, 0, refusal.code)
+
+    async def _decide(self, policy: Policy, kind: Kind, identity: Identity,
+                      raw: bytes) -> Admitted:
+        if len(raw) > self.settings.max_body_bytes:
+            raise Refusal(Code.REQUEST_TOO_LARGE,
+                          f"the request body is larger than {self.settings.max_body_bytes} bytes")
+        request = parse(kind, raw)
+        pool = policy.by_model.get(request.model)
+        if pool is None:
+            raise Refusal(Code.MODEL_NOT_FOUND,
+                          f"the model {request.model!r} is not served here", "model")
+        if pool.capacity is None:
+            raise Refusal(Code.CAPACITY_UNKNOWN,
+                          f"the KV-cache capacity of pool {pool.name!r} is not known yet",
+                          retry_after_s=RETRY_AFTER_S)
+        prompt_tokens = await self.counter.count(pool.tokenizer, request, len(raw))
+        limits = clamp(kind, request.limits, identity.tier, pool.config.max_model_len,
+                       max(prompt_tokens))
+        blocks = blocks_needed(prompt_tokens, limits.max_tokens, request.n,
+                               pool.capacity.block_size)
+        quota = identity.tier.max_blocks
+        if blocks > quota or blocks > pool.limit:
+            raise Refusal(
+                Code.REQUEST_EXCEEDS_CAPACITY,
+                f"the request needs {blocks} KV-cache blocks, more than this tenant's quota "
+                f"({quota}) or the pool's admissible capacity ({pool.limit}) allows; "
+                "lower max_tokens, n or the prompt length",
+            )
+        claim = Claim(uuid.uuid4().hex, pool.name, identity.tenant, blocks, pool.limit, quota,
+                      self.settings.lease_seconds)
+        reservation = await self.ledger.reserve(claim)
+        if reservation.outcome is Outcome.TENANT_QUOTA:
+            raise Refusal(Code.TENANT_BLOCK_QUOTA_EXCEEDED,
+                          f"tenant quota of {quota} KV-cache blocks in pool {pool.name!r} is in "
+                          "use by this tenant's requests in flight; retry later",
+                          retry_after_s=RETRY_AFTER_S)
+        if reservation.outcome is Outcome.POOL_WATERMARK:
+            raise Refusal(Code.KV_CACHE_WATERMARK_EXCEEDED,
+                          f"the KV cache of pool {pool.name!r} is full; retry later",
+                          retry_after_s=RETRY_AFTER_S)
+        assert reservation.lease is not None
+        body = None
+        if limits.fields != request.limits:
+            body = json.dumps({**request.body, **limits.fields}, ensure_ascii=False).encode()
+        prompt_total = sum(prompt_tokens)
+        headers = {
+            "x-kvguard-lease": claim.lease_id,
+            "x-kvguard-blocks": str(blocks),
+            "x-kvguard-prompt-tokens": str(prompt_total),
+        }
+        return Admitted(pool.name, reservation.lease, body, headers, prompt_total, blocks)

@@ -1,0 +1,84 @@
+"""Command line: `kvguard serve | check-config | demo`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from kvguard import config as configs
+
+
+def _check_config(path: str) -> int:
+    try:
+        config = configs.load(path)
+        from kvguard import policy
+
+        built = policy.build(config)
+    except configs.ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as exc:
+        print(f"error: {path}: {exc}", file=sys.stderr)
+        return 1
+    print(f"{path}: ok")
+    print(f"  ledger: {config.ledger.url} (lease {config.ledger.lease_seconds}s, "
+          f"on_unavailable={config.ledger.on_unavailable})")
+    tiers = ", ".join(
+        f"{name} (cap {t.max_tokens_cap}, default {t.default_max_tokens}, {t.max_blocks} blocks)"
+        for name, t in config.tenancy.tiers.items()
+    )
+    print(f"  tenancy: identity={config.tenancy.identity}, default tier "
+          f"{config.tenancy.default_tier or '(none: unknown tenants get 401)'}")
+    print(f"  tiers: {tiers}")
+    for pool in built.pools.values():
+        cap = pool.capacity
+        capacity = (f"{cap.blocks} blocks of {cap.block_size} tokens, admits up to {pool.limit}"
+                    if cap else f"discovered from {', '.join(pool.config.capacity.endpoints or [])}")
+        print(f"  pool {pool.name}: models {', '.join(pool.config.models)}; {capacity}; "
+              f"watermark {pool.config.watermark}")
+    if config.shadow:
+        print("  shadow mode: decisions are recorded, nothing is refused for capacity")
+    return 0
+
+
+def _serve(path: str) -> int:
+    try:
+        config = configs.load(path)
+    except configs.ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    import uvloop
+
+    from kvguard.server import serve
+
+    try:
+        uvloop.run(serve(config))
+    except (OSError, ValueError) as exc:  # a port taken, a tokenizer or ledger URL unusable
+        print(f"error: {path}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvguard", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="run the ext_proc service")
+    serve.add_argument("--config", required=True, help="YAML configuration file")
+    check = commands.add_parser("check-config", help="validate a configuration file")
+    check.add_argument("file")
+    demo = commands.add_parser("demo", help="Envoy + kvguard + a local upstream, one burst")
+    demo.add_argument("--requests", type=int, default=24, help="requests per tenant")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if args.command == "serve":
+        return _serve(args.config)
+    if args.command == "check-config":
+        return _check_config(args.file)
+    from kvguard.demo import run_demo
+
+    return run_demo(requests_per_tenant=args.requests)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

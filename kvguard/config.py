@@ -1,0 +1,217 @@
+"""Configuration: one YAML file, validated strictly.
+
+`server` and `ledger` are process settings (a restart applies them; `KVGUARD_<SECTION>_<KEY>`
+environment variables override them). `tenancy`, `pools` and `shadow` are the admission policy,
+an immutable snapshot that a request reads once.
+
+Every error names the file and the dotted key, e.g.
+``kvguard.yaml: pools[0].capacity.blocks: Input should be greater than 0``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+PositiveInt = Annotated[int, Field(strict=True, gt=0)]
+
+
+class ConfigError(Exception):
+    """A configuration that cannot be used; the message names the file and the key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ServerSettings(_Strict):
+    grpc_listen: str = "127.0.0.1:50051"
+    metrics_listen: str = "127.0.0.1:9464"
+    max_body_bytes: PositiveInt = 8 * 1024 * 1024
+    drain_seconds: Annotated[float, Field(ge=0)] = 30.0
+    otlp_endpoint: str = ""
+    admin: bool = False
+
+
+class LedgerSettings(_Strict):
+    url: str = "memory://"
+    cluster: bool = False
+    lease_seconds: PositiveInt = 900
+    on_unavailable: Literal["reject", "allow", "local"] = "reject"
+    replicas: PositiveInt = 1
+
+    @model_validator(mode="after")
+    def _known_scheme(self) -> LedgerSettings:
+        scheme = self.url.split("://", 1)[0] if "://" in self.url else ""
+        if scheme not in ("memory", "redis", "rediss"):
+            raise ValueError(f"url {self.url!r}: scheme must be memory://, redis:// or rediss://")
+        return self
+
+
+class Tier(_Strict):
+    max_tokens_cap: PositiveInt
+    default_max_tokens: PositiveInt
+    max_blocks: PositiveInt
+
+    @model_validator(mode="after")
+    def _default_within_cap(self) -> Tier:
+        if self.default_max_tokens > self.max_tokens_cap:
+            raise ValueError("default_max_tokens must not exceed max_tokens_cap")
+        return self
+
+
+class Tenancy(_Strict):
+    identity: Literal["header", "api_key"] = "header"
+    header: str = "x-tenant-id"
+    api_keys: dict[str, str] = {}
+    default_tier: str | None = "free"
+    tiers: dict[str, Tier] = {
+        "free": Tier(max_tokens_cap=512, default_max_tokens=256, max_blocks=2000),
+        "pro": Tier(max_tokens_cap=4096, default_max_tokens=1024, max_blocks=20000),
+    }
+    tenants: dict[str, str] = {}
+
+    @model_validator(mode="after")
+    def _tiers_exist(self) -> Tenancy:
+        if not self.tiers:
+            raise ValueError("tiers: at least one tier is required")
+        if self.default_tier is not None and self.default_tier not in self.tiers:
+            raise ValueError(f"default_tier: unknown tier {self.default_tier!r}")
+        for tenant, tier in self.tenants.items():
+            if tier not in self.tiers:
+                raise ValueError(f"tenants.{tenant}: unknown tier {tier!r}")
+        for key_hash, tier_tenant in self.api_keys.items():
+            if not re.fullmatch(r"[0-9a-f]{64}", key_hash):
+                raise ValueError(f"api_keys.{key_hash}: must be a lowercase sha256 hex digest")
+            if not tier_tenant:
+                raise ValueError(f"api_keys.{key_hash}: tenant must not be empty")
+        if self.header != self.header.lower() or not self.header:
+            raise ValueError("header: must be a non-empty lowercase header name")
+        return self
+
+    def tier_of(self, tenant: str) -> str | None:
+        """The tier name of `tenant`: its mapping, else the default tier, else None."""
+        return self.tenants.get(tenant, self.default_tier)
+
+
+class Capacity(_Strict):
+    """Static (`blocks` usable blocks of `block_size` tokens) or discovered (`endpoints`)."""
+
+    blocks: PositiveInt | None = None
+    block_size: PositiveInt | None = None
+    endpoints: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> Capacity:
+        static = self.blocks is not None or self.block_size is not None
+        if static and self.endpoints:
+            raise ValueError("give either blocks and block_size, or endpoints, not both")
+        if not self.endpoints and (self.blocks is None or self.block_size is None):
+            raise ValueError("blocks and block_size are both required without endpoints")
+        return self
+
+
+class Pool(_Strict):
+    name: str
+    models: list[str] = Field(min_length=1)
+    tokenizer: str
+    chat_template: str | None = None
+    max_model_len: PositiveInt
+    watermark: Annotated[float, Field(ge=0, lt=1)] = 0.15
+    capacity: Capacity
+
+
+class Config(_Strict):
+    server: ServerSettings = ServerSettings()
+    ledger: LedgerSettings = LedgerSettings()
+    tenancy: Tenancy = Tenancy()
+    shadow: bool = False
+    pools: list[Pool] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> Config:
+        seen_pools: set[str] = set()
+        seen_models: dict[str, str] = {}
+        for i, pool in enumerate(self.pools):
+            if pool.name in seen_pools:
+                raise ValueError(f"pools[{i}].name: duplicate pool name {pool.name!r}")
+            seen_pools.add(pool.name)
+            for model in pool.models:
+                if model in seen_models:
+                    raise ValueError(
+                        f"pools[{i}].models: {model!r} is already served by pool "
+                        f"{seen_models[model]!r}"
+                    )
+                seen_models[model] = pool.name
+        return self
+
+
+def _location(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not str(part).startswith("function-") and str(part) not in {"int", "float"}:
+            out += ("." if out else "") + str(part)
+    return out or "(top level)"  # replaced by the key a model-level check names
+
+
+def _env_overrides(raw: dict[str, Any], environ: dict[str, str]) -> None:
+    """Apply KVGUARD_<SECTION>_<KEY> to the process settings, values parsed as YAML scalars."""
+    for section, model in (("server", ServerSettings), ("ledger", LedgerSettings)):
+        for key in model.model_fields:
+            value = environ.get(f"KVGUARD_{section}_{key}".upper())
+            if value is not None:
+                target = raw.setdefault(section, {})
+                if not isinstance(target, dict):
+                    return  # validation reports the wrong type
+                target[key] = yaml.safe_load(value) if value else ""
+
+
+def parse(text: str, source: str, environ: dict[str, str] | None = None) -> Config:
+    """Parse and validate configuration text; `source` names it in errors."""
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping")
+    _env_overrides(raw, dict(os.environ) if environ is None else environ)
+    try:
+        config = Config.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        message = str(first["msg"]).removeprefix("Value error, ")
+        location = _location(tuple(first["loc"]))
+        # A model-level check names its own key first ("tenants.acme: ..."): join the two.
+        nested = re.match(r"([\w.\[\]-]+): (.*)", message, re.DOTALL)
+        if nested:
+            key, message = nested.groups()
+            location = key if location == "(top level)" else f"{location}.{key}"
+        raise ConfigError(f"{source}: {location}: {message}") from None
+    base = Path(source).resolve().parent
+    return config.model_copy(update={"pools": [_resolve_paths(p, base) for p in config.pools]})
+
+
+def _resolve_paths(pool: Pool, base: Path) -> Pool:
+    """Tokenizer and template paths are relative to the configuration file."""
+    update: dict[str, str] = {"tokenizer": str(base / pool.tokenizer)}
+    if pool.chat_template:
+        update["chat_template"] = str(base / pool.chat_template)
+    return pool.model_copy(update=update)
+
+
+def load(path: str | Path, environ: dict[str, str] | None = None) -> Config:
+    """Read and validate the configuration file at `path`."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    return parse(text, str(path), environ)

@@ -1,0 +1,84 @@
+"""The refusals kvguard answers with: one stable code each, with its HTTP status and error type.
+
+The codes are public (clients and dashboards key on them); DESIGN.md's status table lists them.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+
+
+class Code(enum.StrEnum):
+    """A refusal code; its value is the wire form (`x-kvguard-reason`, the body's `code`)."""
+
+    TENANT_BLOCK_QUOTA_EXCEEDED = "tenant_block_quota_exceeded"
+    KV_CACHE_WATERMARK_EXCEEDED = "kv_cache_watermark_exceeded"
+    REQUEST_EXCEEDS_CAPACITY = "request_exceeds_capacity"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    INVALID_REQUEST = "invalid_request"
+    MODEL_NOT_FOUND = "model_not_found"
+    UNKNOWN_TENANT = "unknown_tenant"
+    REQUEST_TOO_LARGE = "request_too_large"
+    LEDGER_UNAVAILABLE = "ledger_unavailable"
+    CAPACITY_UNKNOWN = "capacity_unknown"
+    INTERNAL_ERROR = "internal_error"
+
+    @property
+    def status(self) -> int:
+        return _STATUS[self]
+
+    @property
+    def error_type(self) -> str:
+        """The OpenAI error schema's `type` for this code."""
+        return _ERROR_TYPE[self.status]
+
+
+_STATUS = {
+    Code.TENANT_BLOCK_QUOTA_EXCEEDED: 429,
+    Code.KV_CACHE_WATERMARK_EXCEEDED: 429,
+    Code.REQUEST_EXCEEDS_CAPACITY: 400,
+    Code.CONTEXT_LENGTH_EXCEEDED: 400,
+    Code.INVALID_REQUEST: 400,
+    Code.MODEL_NOT_FOUND: 400,
+    Code.UNKNOWN_TENANT: 401,
+    Code.REQUEST_TOO_LARGE: 413,
+    Code.LEDGER_UNAVAILABLE: 503,
+    Code.CAPACITY_UNKNOWN: 503,
+    Code.INTERNAL_ERROR: 503,
+}
+_ERROR_TYPE = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+}
+
+
+@dataclass
+class Refusal(Exception):
+    """A request kvguard answers itself. `message` must never contain prompt text.
+
+    Not frozen: tracebacks are assigned to exceptions as they propagate.
+    """
+
+    code: Code
+    message: str
+    param: str | None = None
+    retry_after_s: int | None = None
+
+    def body(self) -> bytes:
+        """The OpenAI error schema."""
+        error = {
+            "message": self.message,
+            "type": self.code.error_type,
+            "param": self.param,
+            "code": self.code.value,
+        }
+        return json.dumps({"error": error}).encode()
+
+
+def invalid(message: str, param: str | None = None) -> Refusal:
+    return Refusal(Code.INVALID_REQUEST, message, param)

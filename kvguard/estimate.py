@@ -1,0 +1,53 @@
+"""Turn a counted request into output-token limits and KV blocks. Pure functions."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvguard.config import Tier
+from kvguard.errors import Code, Refusal
+from kvguard.request import LIMIT_FIELDS, Kind
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    fields: dict[str, int]  # the limit fields to write into the body (clamped or injected)
+    max_tokens: int  # the output limit vLLM will apply
+    clamped: bool  # True when a client value was lowered or a limit was injected
+
+
+def clamp(kind: Kind, sent: dict[str, int], tier: Tier, max_model_len: int,
+          longest_prompt: int) -> Limits:
+    """Clamp each limit the client sent to the tier cap and to the context room left by the
+    longest prompt; inject `max_tokens` = the tier default when vLLM would read none."""
+    room = max_model_len - longest_prompt
+    if room <= 0:
+        raise Refusal(
+            Code.CONTEXT_LENGTH_EXCEEDED,
+            f"the prompt has {longest_prompt} tokens, which reaches this model's maximum "
+            f"context length of {max_model_len} tokens",
+            "messages" if kind == "chat" else "prompt",
+        )
+    ceiling = min(tier.max_tokens_cap, room)
+    fields = {key: min(value, ceiling) for key, value in sent.items()}
+    read = [key for key in LIMIT_FIELDS[kind] if key in fields]
+    if read:
+        max_tokens = fields[read[0]]
+        clamped = fields != sent
+    else:
+        max_tokens = min(tier.default_max_tokens, room)
+        fields["max_tokens"] = max_tokens
+        clamped = True
+    return Limits(fields, max_tokens, clamped)
+
+
+def blocks_needed(prompt_tokens: list[int], max_tokens: int, n: int, block_size: int) -> int:
+    """n sequences per prompt, each holding prompt + output tokens in whole blocks."""
+    return n * sum(math.ceil((p + max_tokens) / block_size) for p in prompt_tokens)
+
+
+def pool_limit(capacity: int, watermark: float) -> int:
+    """The most blocks that may be reserved while free blocks stay >= watermark x capacity."""
+    # The epsilon keeps 100 x (1 - 0.15) = 84.99999999999999 from losing a block.
+    return math.floor(capacity * (1 - watermark) + 1e-9)

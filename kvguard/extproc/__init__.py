@@ -1,0 +1,1 @@
+"""The Envoy external-processing protocol layer: the only place that speaks gRPC."""

@@ -1,0 +1,96 @@
+"""Building ext_proc ProcessingResponses. The one place where a refusal becomes HTTP."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    BodyMutation,
+    BodyResponse,
+    CommonResponse,
+    HeaderMutation,
+    HeadersResponse,
+    ImmediateResponse,
+    ProcessingResponse,
+    TrailersResponse,
+)
+from envoy.type.v3.http_status_pb2 import HttpStatus
+
+from kvguard.errors import Refusal
+
+_OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+# For paths kvguard does not guard: no body buffering, no response messages.
+PASS_THROUGH_MODE = ProcessingMode(
+    request_body_mode=ProcessingMode.NONE,
+    response_header_mode=ProcessingMode.SKIP,
+    response_body_mode=ProcessingMode.NONE,
+    request_trailer_mode=ProcessingMode.SKIP,
+    response_trailer_mode=ProcessingMode.SKIP,
+)
+
+
+def _mutation(set_headers: dict[str, str], remove: Iterable[str] = ()) -> HeaderMutation:
+    return HeaderMutation(
+        set_headers=[
+            HeaderValueOption(header=HeaderValue(key=k, raw_value=v.encode()), append_action=_OVERWRITE)
+            for k, v in set_headers.items()
+        ],
+        remove_headers=list(remove),
+    )
+
+
+def request_headers(remove: list[str], *, guarded: bool) -> ProcessingResponse:
+    """Continue after request headers, dropping client-sent kvguard headers."""
+    common = CommonResponse(header_mutation=_mutation({}, remove)) if remove else CommonResponse()
+    response = ProcessingResponse(request_headers=HeadersResponse(response=common))
+    if not guarded:
+        response.mode_override.CopyFrom(PASS_THROUGH_MODE)
+    return response
+
+
+def admitted_body(body: bytes | None, headers: dict[str, str]) -> ProcessingResponse:
+    """Continue with the rewritten body (when there is one) and the kvguard headers."""
+    if body is None:
+        common = CommonResponse(header_mutation=_mutation(headers))
+    else:
+        # Envoy answers 500 when content-length disagrees with the body it forwards.
+        common = CommonResponse(
+            header_mutation=_mutation({**headers, "content-length": str(len(body))}),
+            body_mutation=BodyMutation(body=body),
+        )
+    return ProcessingResponse(request_body=BodyResponse(response=common))
+
+
+def continue_response(kind: str) -> ProcessingResponse:
+    """CONTINUE for a message kvguard only observes."""
+    match kind:
+        case "response_headers":
+            return ProcessingResponse(response_headers=HeadersResponse())
+        case "response_trailers":
+            return ProcessingResponse(response_trailers=TrailersResponse())
+        case "request_trailers":
+            return ProcessingResponse(request_trailers=TrailersResponse())
+        case "response_body":
+            return ProcessingResponse(response_body=BodyResponse())
+        case "request_body":
+            return ProcessingResponse(request_body=BodyResponse())
+        case _:
+            return ProcessingResponse(request_headers=HeadersResponse())
+
+
+def refusal(refused: Refusal) -> ProcessingResponse:
+    """The local reply for a refusal: OpenAI error body, reason header, retry-after on 429."""
+    headers = {"content-type": "application/json", "x-kvguard-reason": refused.code.value}
+    if refused.retry_after_s is not None:
+        headers["retry-after"] = str(refused.retry_after_s)
+    return ProcessingResponse(
+        immediate_response=ImmediateResponse(
+            status=HttpStatus(code=refused.code.status),
+            headers=_mutation(headers),
+            body=refused.body(),
+            details=f"kvguard_{refused.code.value}",
+        )
+    )

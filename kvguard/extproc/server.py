@@ -1,0 +1,58 @@
+"""The gRPC server: ext_proc and grpc.health.v1 on one port."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from kvguard.extproc.service import ExternalProcessor
+from kvguard.health import Health
+
+# Health service names: "" and the ext_proc service mean "ready to admit"; "liveness" means
+# "the process serves at all", so an outage never restart-loops kvguard.
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+READINESS_SERVICES = ("", EXT_PROC_SERVICE)
+LIVENESS_SERVICE = "liveness"
+
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class GrpcServer:
+    def __init__(self, listen: str, processor: ExternalProcessor, health: Health,
+                 max_message_bytes: int) -> None:
+        self._server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ])
+        ext_proc_grpc.add_ExternalProcessorServicer_to_server(processor, self._server)
+        self._health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        self.port = self._server.add_insecure_port(listen)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {listen}")
+        self._state = health
+        self._pending: set[asyncio.Task[None]] = set()
+        health.subscribe(self._on_readiness)
+
+    def _on_readiness(self, _ready: bool) -> None:
+        task = asyncio.get_running_loop().create_task(self._publish())
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _publish(self) -> None:
+        # Read the state at each write, so that the last write always carries the latest.
+        for service in READINESS_SERVICES:
+            await self._health.set(service, _SERVING if self._state.ready else _NOT_SERVING)
+
+    async def start(self) -> None:
+        await self._health.set(LIVENESS_SERVICE, _SERVING)
+        await self._server.start()
+
+    async def stop(self, grace_s: float) -> None:
+        """Refuse new streams and give open ones `grace_s` seconds to finish."""
+        await self._server.stop(grace_s)

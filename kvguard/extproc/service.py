@@ -1,0 +1,124 @@
+"""The ext_proc stream: one HTTP exchange, from request headers to the end of the response.
+
+Thin on purpose: it reads what Envoy sends, asks `Admission` for the decision, and answers.
+Every exception ends in exactly one place (`_answer_error`), which always replies: closing the
+stream without a reply would let Envoy pass the request unmetered.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+from envoy.config.core.v3.base_pb2 import HeaderMap
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    HttpBody,
+    HttpHeaders,
+    ProcessingRequest,
+    ProcessingResponse,
+)
+
+from kvguard.admission import Admission
+from kvguard.errors import Code, Refusal, invalid
+from kvguard.extproc import responses
+from kvguard.leases import LeaseKeeper
+from kvguard.ledger import Lease
+from kvguard.policy import Identity, Policy, identify_request
+from kvguard.request import Kind, guarded_kind
+
+log = logging.getLogger(__name__)
+
+KVGUARD_HEADER_PREFIX = "x-kvguard-"
+
+
+@dataclass
+class _Exchange:
+    """Protocol state: what Envoy has told us about this HTTP exchange so far."""
+
+    policy: Policy
+    kind: Kind | None = None
+    identity: Identity | None = None
+    request_id: str = ""
+    upstream_status: int | None = None
+
+
+def _headers(header_map: HeaderMap) -> dict[str, str]:
+    return {
+        h.key: h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+        for h in header_map.headers
+    }
+
+
+class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    def __init__(self, policy: Callable[[], Policy], admission: Admission,
+                 keeper: LeaseKeeper) -> None:
+        self._policy = policy
+        self._admission = admission
+        self._keeper = keeper
+
+    async def Process(
+        self,
+        request_iterator: AsyncIterator[ProcessingRequest],
+        context: grpc.aio.ServicerContext[ProcessingRequest, ProcessingResponse],
+    ) -> None:
+        exchange = _Exchange(self._policy())
+        lease: Lease | None = None  # domain state, released however the stream ends
+        try:
+            async for message in request_iterator:
+                try:
+                    match message.WhichOneof("request"):
+                        case "request_headers":
+                            response = self._on_request_headers(exchange, message.request_headers)
+                        case "request_body":
+                            response, lease = await self._on_request_body(
+                                exchange, message.request_body)
+                        case "response_headers":
+                            exchange.upstream_status = _status(message.response_headers)
+                            response = responses.continue_response("response_headers")
+                        case kind:
+                            response = responses.continue_response(str(kind))
+                except Exception as exc:
+                    response = self._answer_error(exchange, exc)
+                await context.write(response)
+        finally:
+            if lease is not None:
+                self._keeper.release(lease)
+
+    def _on_request_headers(self, exchange: _Exchange, message: HttpHeaders) -> ProcessingResponse:
+        headers = _headers(message.headers)
+        remove = [name for name in headers if name.startswith(KVGUARD_HEADER_PREFIX)]
+        exchange.kind = guarded_kind(headers.get(":path", ""))
+        exchange.request_id = headers.get("x-request-id", "")
+        if exchange.kind is None:
+            return responses.request_headers(remove, guarded=False)
+        exchange.identity = identify_request(exchange.policy, headers)
+        if message.end_of_stream:
+            raise invalid("this endpoint needs a JSON request body")
+        return responses.request_headers(remove, guarded=True)
+
+    async def _on_request_body(self, exchange: _Exchange,
+                               message: HttpBody) -> tuple[ProcessingResponse, Lease | None]:
+        if exchange.kind is None or exchange.identity is None:
+            return responses.continue_response("request_body"), None
+        admitted = await self._admission.decide(
+            exchange.policy, exchange.kind, exchange.identity, message.body)
+        if admitted.lease is not None:
+            self._keeper.hold(admitted.lease)
+        return responses.admitted_body(admitted.body, admitted.headers), admitted.lease
+
+    def _answer_error(self, exchange: _Exchange, exc: Exception) -> ProcessingResponse:
+        if not isinstance(exc, Refusal):
+            log.exception("internal error deciding request %s", exchange.request_id)
+            exc = Refusal(Code.INTERNAL_ERROR, "kvguard failed to decide this request")
+        return responses.refusal(exc)
+
+
+def _status(message: HttpHeaders) -> int | None:
+    for h in message.headers.headers:
+        if h.key == ":status":
+            value = h.raw_value.decode() if h.raw_value else h.value
+            return int(value) if value.isdigit() else None
+    return None

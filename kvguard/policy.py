@@ -1,0 +1,103 @@
+"""The admission policy as requests see it: an immutable snapshot built from a valid Config.
+
+A request reads `Policy` once and uses that snapshot to the end, so a reload never changes the
+rules under a request in flight.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvguard.config import Config, Pool, Tenancy, Tier
+from kvguard.errors import Code, Refusal
+from kvguard.estimate import pool_limit
+from kvguard.tokenizer import PoolTokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class PoolCapacity:
+    blocks: int  # usable blocks across the pool's endpoints
+    block_size: int  # tokens per block
+
+
+@dataclass(frozen=True, slots=True)
+class PoolPolicy:
+    config: Pool
+    tokenizer: PoolTokenizer
+    capacity: PoolCapacity | None  # None until discovered
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def limit(self) -> int:
+        """Most blocks that may be reserved in this pool (capacity minus the watermark)."""
+        assert self.capacity is not None
+        return pool_limit(self.capacity.blocks, self.config.watermark)
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    tenant: str
+    tier_name: str
+    tier: Tier
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    tenancy: Tenancy
+    shadow: bool
+    pools: dict[str, PoolPolicy]  # by pool name
+    by_model: dict[str, PoolPolicy]  # by request "model" value
+
+    def identify(self, tenant: str) -> Identity | None:
+        """The tenant's tier; None when the tenant is unknown and there is no default tier."""
+        tier_name = self.tenancy.tier_of(tenant)
+        if tier_name is None:
+            return None
+        return Identity(tenant, tier_name, self.tenancy.tiers[tier_name])
+
+
+def identify_request(policy: Policy, headers: Mapping[str, str]) -> Identity:
+    """The tenant of a request, by the configured header or by its API key's sha256.
+
+    A missing or unmapped identity gets the default tier (its tenant value, or "" when there
+    is none, keys its quota); without a default tier it is refused with 401 unknown_tenant.
+    """
+    tenancy = policy.tenancy
+    if tenancy.identity == "header":
+        tenant = headers.get(tenancy.header, "")
+    else:
+        scheme, _, key = headers.get("authorization", "").partition(" ")
+        digest = hashlib.sha256(key.strip().encode()).hexdigest()
+        tenant = tenancy.api_keys.get(digest, "") if scheme.lower() == "bearer" else ""
+    identity = policy.identify(tenant)
+    if identity is None:
+        raise Refusal(Code.UNKNOWN_TENANT, "the request carries no known tenant identity")
+    return identity
+
+
+TokenizerCache = dict[tuple[str, str | None], PoolTokenizer]
+
+
+def build(config: Config, tokenizers: TokenizerCache | None = None) -> Policy:
+    """Load every pool's tokenizer (reusing `tokenizers` entries) and snapshot the policy.
+
+    Raises whatever loading a tokenizer raises; the caller keeps its last good policy then.
+    """
+    cache = {} if tokenizers is None else tokenizers
+    pools: dict[str, PoolPolicy] = {}
+    for pool in config.pools:
+        key = (pool.tokenizer, pool.chat_template)
+        if key not in cache:
+            cache[key] = PoolTokenizer.load(Path(pool.tokenizer), pool.chat_template)
+        capacity = None
+        if pool.capacity.blocks is not None and pool.capacity.block_size is not None:
+            capacity = PoolCapacity(pool.capacity.blocks, pool.capacity.block_size)
+        pools[pool.name] = PoolPolicy(pool, cache[key], capacity)
+    by_model = {model: pools[p.name] for p in config.pools for model in p.models}
+    return Policy(config.tenancy, config.shadow, pools, by_model)

@@ -1,0 +1,125 @@
+"""Parse and validate an OpenAI-style request body, as far as admission needs it.
+
+Only what decides the reservation is checked here (model, prompt shape, n, token limits);
+everything else is vLLM's business and passes through untouched.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from kvguard.errors import invalid
+
+Kind = Literal["chat", "completion"]
+
+# The token-limit fields vLLM reads, in the order it reads them
+# (`max_completion_tokens or max_tokens` for chat; completions only know `max_tokens`).
+LIMIT_FIELDS: dict[Kind, tuple[str, ...]] = {
+    "chat": ("max_completion_tokens", "max_tokens"),
+    "completion": ("max_tokens",),
+}
+ALL_LIMIT_FIELDS = ("max_completion_tokens", "max_tokens")
+
+GUARDED_PATHS: dict[str, Kind] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completion",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class InferenceRequest:
+    kind: Kind
+    model: str
+    body: dict[str, Any]
+    n: int
+    limits: dict[str, int]  # limit fields the client sent with a value
+
+
+def guarded_kind(path: str) -> Kind | None:
+    """The kind of a guarded path, whatever its query string; None for any other path."""
+    return GUARDED_PATHS.get(path.split("?", 1)[0])
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _positive_int(body: dict[str, Any], key: str) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if type(value) is not int or value < 1:
+        raise invalid(f"'{key}' must be a positive integer", key)
+    return value
+
+
+def parse(kind: Kind, raw: bytes) -> InferenceRequest:
+    """Validate the body; raises Refusal(invalid_request) with a message naming the field."""
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, RecursionError):
+        raise invalid("the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("'model' must be a non-empty string", "model")
+    if kind == "chat":
+        _check_messages(body.get("messages"))
+    else:
+        _check_prompt(body.get("prompt"))
+    n = _positive_int(body, "n") or 1
+    limits = {}
+    for key in ALL_LIMIT_FIELDS:
+        value = _positive_int(body, key)
+        if value is not None:
+            limits[key] = value
+    return InferenceRequest(kind, model, body, n, limits)
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise invalid("'messages' must be a non-empty array", "messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise invalid(f"messages[{i}] must be an object with a string 'role'", "messages")
+
+
+def _check_prompt(prompt: Any) -> None:
+    """A string, a list of strings, a list of token ids, or a list of lists of token ids."""
+    if isinstance(prompt, str):
+        return
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt) or _token_ids(prompt):
+            return
+        if all(isinstance(p, list) and p and _token_ids(p) for p in prompt):
+            return
+    raise invalid(
+        "'prompt' must be a string, an array of strings, an array of token ids "
+        "or an array of arrays of token ids",
+        "prompt",
+    )
+
+
+def _token_ids(values: list[Any]) -> bool:
+    return all(type(v) is int and v >= 0 for v in values)
+
+
+def prompts_of(request: InferenceRequest) -> list[str | list[int]]:
+    """A completion's prompts, each its own sequence (a string or token ids)."""
+    prompt = request.body["prompt"]
+    if isinstance(prompt, str):
+        return [prompt]
+    if _token_ids(prompt):
+        return [prompt]
+    return list(prompt)
+
+
+def add_special_tokens(request: InferenceRequest) -> bool:
+    """vLLM's default: False for chat (the template adds them), True for completions."""
+    value = request.body.get("add_special_tokens", request.kind == "completion")
+    if not isinstance(value, bool):
+        raise invalid("'add_special_tokens' must be a boolean", "add_special_tokens")
+    return value

@@ -1,0 +1,1 @@
+"""Real-process helpers shared by the integration tests and `kvguard demo`."""

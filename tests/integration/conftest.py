@@ -1,0 +1,80 @@
+"""A real Envoy, started from envoy/envoy.yaml, in front of a recording upstream, with kvguard
+as its ext_proc service (in this process, so the tests can read the ledger directly)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from kvguard import config as configs
+from kvguard.server import Service
+from kvguard.testing.envoy import SHIPPED_CONFIG, EnvoyProcess, render_envoy_config
+from kvguard.testing.upstream import RecordingUpstream
+from tests.conftest import kvguard_config, write_config
+
+
+@dataclass
+class Gateway:
+    envoy: EnvoyProcess
+    service: Service
+    upstream: RecordingUpstream
+    http: aiohttp.ClientSession
+
+    @property
+    def url(self) -> str:
+        return self.envoy.url
+
+    async def reserved(self, pool: str = "qwen") -> int:
+        return (await self.service.ledger.usage(pool)).reserved
+
+    async def post(self, path: str, payload: Any, tenant: str | None = "acme",
+                   **headers: str) -> tuple[int, dict[str, str], Any]:
+        hdrs = {k.replace("_", "-"): v for k, v in headers.items()}
+        if tenant is not None:
+            hdrs["x-tenant-id"] = tenant
+        async with self.http.post(self.url + path, json=payload, headers=hdrs) as response:
+            body = await response.read()
+            try:
+                parsed: Any = await response.json(content_type=None)
+            except ValueError:
+                parsed = body
+            return response.status, {k.lower(): v for k, v in response.headers.items()}, parsed
+
+
+async def wait_until(predicate: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
+    """Poll an async condition until it holds; fail at the deadline."""
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"condition not met within {timeout}s")
+        await asyncio.sleep(0.02)
+
+
+@asynccontextmanager
+async def gateway(tmp_path: Path, **config: Any) -> AsyncIterator[Gateway]:
+    path = write_config(tmp_path, kvguard_config(**config))
+    service = Service(configs.load(path, environ={}))
+    await service.grpc.start()
+    upstream = RecordingUpstream()
+    await upstream.start()
+    rendered = render_envoy_config(SHIPPED_CONFIG, listen_port=0, admin_port=0,
+                                   kvguard_port=service.grpc.port, upstream_port=upstream.port)
+    envoy = EnvoyProcess(rendered, tmp_path)
+    try:
+        await envoy.start()
+        await envoy.wait_cluster_healthy("kvguard")
+        async with aiohttp.ClientSession() as http:
+            yield Gateway(envoy, service, upstream, http)
+    finally:
+        await envoy.stop()
+        await upstream.stop()
+        await service.grpc.stop(0)
+        await service.keeper.settle()
