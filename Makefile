@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | cksum | cut -d' ' -f1)
+STAMP := $(VENV)/.installed-$(shell cat requirements-dev.lock pyproject.toml | cksum | cut -d' ' -f1)
 MODELS := .cache/models/qwen/tokenizer.json .cache/models/llama3.2/tokenizer.json
 
 .PHONY: demo test test-fast lint lock clean
@@ -20,23 +20,24 @@ test-fast: $(STAMP) $(MODELS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvguard tests tools
+	$(BIN)/ruff format --check kvguard tests tools
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-$(STAMP): requirements.lock pyproject.toml
+$(STAMP): requirements-dev.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet --require-hashes -r requirements.lock
+	$(BIN)/python -m pip install --quiet --require-hashes -r requirements-dev.lock
 	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	rm -f $(VENV)/.installed-* && touch $@
 
 $(MODELS): | $(STAMP)
 	$(BIN)/python tools/fetch_tokenizers.py .cache/models
 
-# Re-pin every dependency (needs uv, which the lock itself installs).
+# Re-pin every dependency (uv comes with the dev lock): runtime only, and runtime + dev.
+LOCK := $(BIN)/uv pip compile pyproject.toml --python-version 3.11 --generate-hashes --no-header --quiet
 lock: $(STAMP)
-	$(BIN)/uv pip compile pyproject.toml --extra dev --python-version 3.11 --generate-hashes \
-		--no-header --quiet -o requirements.lock
+	$(LOCK) -o requirements.lock
+	$(LOCK) --extra dev -o requirements-dev.lock
 
 clean:
 	rm -rf $(VENV) .cache build *.egg-info

@@ -22,13 +22,15 @@ from kvguard.request import Kind, parse
 RETRY_AFTER_S = 1
 
 # Refusals that shadow mode lets pass: capacity and availability, never malformed input.
-SHADOWABLE = frozenset({
-    Code.TENANT_BLOCK_QUOTA_EXCEEDED,
-    Code.KV_CACHE_WATERMARK_EXCEEDED,
-    Code.REQUEST_EXCEEDS_CAPACITY,
-    Code.CAPACITY_UNKNOWN,
-    Code.LEDGER_UNAVAILABLE,
-})
+SHADOWABLE = frozenset(
+    {
+        Code.TENANT_BLOCK_QUOTA_EXCEEDED,
+        Code.KV_CACHE_WATERMARK_EXCEEDED,
+        Code.REQUEST_EXCEEDS_CAPACITY,
+        Code.CAPACITY_UNKNOWN,
+        Code.LEDGER_UNAVAILABLE,
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,36 +60,42 @@ class Admission:
         self.counter = counter
         self.settings = settings
 
-    async def decide(self, policy: Policy, kind: Kind, identity: Identity,
-                     raw: bytes) -> Admitted:
+    async def decide(self, policy: Policy, kind: Kind, identity: Identity, raw: bytes) -> Admitted:
         """Admit (a lease is held until `ledger.release`) or raise Refusal."""
         try:
             return await self._decide(policy, kind, identity, raw)
         except Refusal as refusal:
             if not policy.shadow or refusal.code not in SHADOWABLE:
                 raise
-            return Admitted("", None, None, {"x-kvguard-would-refuse": refusal.code.value},
-                            0, 0, refusal.code)
+            return Admitted(
+                "", None, None, {"x-kvguard-would-refuse": refusal.code.value}, 0, 0, refusal.code
+            )
 
-    async def _decide(self, policy: Policy, kind: Kind, identity: Identity,
-                      raw: bytes) -> Admitted:
+    async def _decide(self, policy: Policy, kind: Kind, identity: Identity, raw: bytes) -> Admitted:
         if len(raw) > self.settings.max_body_bytes:
-            raise Refusal(Code.REQUEST_TOO_LARGE,
-                          f"the request body is larger than {self.settings.max_body_bytes} bytes")
+            raise Refusal(
+                Code.REQUEST_TOO_LARGE,
+                f"the request body is larger than {self.settings.max_body_bytes} bytes",
+            )
         request = parse(kind, raw)
         pool = policy.by_model.get(request.model)
         if pool is None:
-            raise Refusal(Code.MODEL_NOT_FOUND,
-                          f"the model {request.model!r} is not served here", "model")
+            raise Refusal(
+                Code.MODEL_NOT_FOUND, f"the model {request.model!r} is not served here", "model"
+            )
         if pool.capacity is None:
-            raise Refusal(Code.CAPACITY_UNKNOWN,
-                          f"the KV-cache capacity of pool {pool.name!r} is not known yet",
-                          retry_after_s=RETRY_AFTER_S)
+            raise Refusal(
+                Code.CAPACITY_UNKNOWN,
+                f"the KV-cache capacity of pool {pool.name!r} is not known yet",
+                retry_after_s=RETRY_AFTER_S,
+            )
         prompt_tokens = await self.counter.count(pool.tokenizer, request, len(raw))
-        limits = clamp(kind, request.limits, identity.tier, pool.config.max_model_len,
-                       max(prompt_tokens))
-        blocks = blocks_needed(prompt_tokens, limits.max_tokens, request.n,
-                               pool.capacity.block_size)
+        limits = clamp(
+            kind, request.limits, identity.tier, pool.config.max_model_len, max(prompt_tokens)
+        )
+        blocks = blocks_needed(
+            prompt_tokens, limits.max_tokens, request.n, pool.capacity.block_size
+        )
         quota = identity.tier.max_blocks
         if blocks > quota or blocks > pool.limit:
             raise Refusal(
@@ -96,18 +104,29 @@ class Admission:
                 f"({quota}) or the pool's admissible capacity ({pool.limit}) allows; "
                 "lower max_tokens, n or the prompt length",
             )
-        claim = Claim(uuid.uuid4().hex, pool.name, identity.tenant, blocks, pool.limit, quota,
-                      self.settings.lease_seconds)
+        claim = Claim(
+            uuid.uuid4().hex,
+            pool.name,
+            identity.tenant,
+            blocks,
+            pool.limit,
+            quota,
+            self.settings.lease_seconds,
+        )
         reservation = await self.ledger.reserve(claim)
         if reservation.outcome is Outcome.TENANT_QUOTA:
-            raise Refusal(Code.TENANT_BLOCK_QUOTA_EXCEEDED,
-                          f"tenant quota of {quota} KV-cache blocks in pool {pool.name!r} is in "
-                          "use by this tenant's requests in flight; retry later",
-                          retry_after_s=RETRY_AFTER_S)
+            raise Refusal(
+                Code.TENANT_BLOCK_QUOTA_EXCEEDED,
+                f"tenant quota of {quota} KV-cache blocks in pool {pool.name!r} is in "
+                "use by this tenant's requests in flight; retry later",
+                retry_after_s=RETRY_AFTER_S,
+            )
         if reservation.outcome is Outcome.POOL_WATERMARK:
-            raise Refusal(Code.KV_CACHE_WATERMARK_EXCEEDED,
-                          f"the KV cache of pool {pool.name!r} is full; retry later",
-                          retry_after_s=RETRY_AFTER_S)
+            raise Refusal(
+                Code.KV_CACHE_WATERMARK_EXCEEDED,
+                f"the KV cache of pool {pool.name!r} is full; retry later",
+                retry_after_s=RETRY_AFTER_S,
+            )
         assert reservation.lease is not None
         body = None
         if limits.fields != request.limits:

@@ -82,11 +82,17 @@ class _Dict:
         return dict.fromkeys(*args, **kwargs)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | str | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | str | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     # Not jinja2's own filter: that one escapes HTML characters and would change the prompt.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _raise_exception(message: str) -> None:
@@ -99,7 +105,8 @@ def _strftime_now(format: str) -> str:
 
 def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
         extensions=[_GenerationTag, jinja2.ext.loopcontrols],
     )
     env.filters["tojson"] = _tojson
@@ -126,9 +133,16 @@ class ChatTemplate:
         self.source = source
         self.content_format: ContentFormat = detect_content_format(ast)
 
-    def render(self, messages: Sequence[Mapping[str, Any]], *, tools: list[Any] | None,
-               documents: list[Any] | None, add_generation_prompt: bool,
-               continue_final_message: bool, variables: Mapping[str, Any]) -> str:
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: list[Any] | None,
+        documents: list[Any] | None,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        variables: Mapping[str, Any],
+    ) -> str:
         """The prompt text. Raises ChatTemplateError; never mutates its arguments."""
         if clash := RESERVED_VARIABLES & variables.keys():
             raise ChatTemplateError(f"chat_template_kwargs may not set {sorted(clash)}")
@@ -138,8 +152,13 @@ class ChatTemplate:
             raise ChatTemplateError("documents must be JSON objects")
         chat = [_alias_reasoning({k: v for k, v in m.items() if v is not None}) for m in messages]
         final_text = self._tag_final_message(chat) if continue_final_message else ""
-        context = {**variables, "messages": chat, "tools": tools, "documents": documents,
-                   "add_generation_prompt": add_generation_prompt}
+        context = {
+            **variables,
+            "messages": chat,
+            "tools": tools,
+            "documents": documents,
+            "add_generation_prompt": add_generation_prompt,
+        }
         try:
             rendered = self._template.render(context)
         except jinja2.TemplateError as exc:  # raise_exception, undefined names, sandbox refusals
@@ -181,7 +200,7 @@ def _cut_at_tag(rendered: str, final_text: str) -> str:
             "continue_final_message: the template does not render the final message intact"
         )
     at = rendered.rindex(_CONTINUE_TAG.strip())
-    if rendered[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+    if rendered[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
         return rendered[:at]
     return rendered[:at].rstrip()  # the template trimmed the message's trailing whitespace
 
@@ -199,6 +218,7 @@ def _short(text: str, limit: int = 200) -> str:
 
 
 # --- content format detection, after vLLM's vllm/renderers/hf.py --------------------------
+
 
 class _Undetectable(Exception):
     """vLLM asserts on these shapes and falls back to its default, "string"."""
@@ -253,7 +273,7 @@ def _loop_targets(root: nodes.Template, names: list[str], key: str | None) -> It
 
 
 def detect_content_format(ast: nodes.Template) -> ContentFormat:
-    """"openai" if the template loops over a message's `content`, else "string"."""
+    """ "openai" if the template loops over a message's `content`, else "string"."""
     try:
         message_names = list(_loop_targets(ast, list(_aliases(ast, "messages")), None))
         found = next(_loop_targets(ast, message_names, "content"), None)

@@ -22,21 +22,30 @@ def _check_config(path: str) -> int:
         print(f"error: {path}: {exc}", file=sys.stderr)
         return 1
     print(f"{path}: ok")
-    print(f"  ledger: {config.ledger.url} (lease {config.ledger.lease_seconds}s, "
-          f"on_unavailable={config.ledger.on_unavailable})")
+    print(
+        f"  ledger: {config.ledger.url} (lease {config.ledger.lease_seconds}s, "
+        f"on_unavailable={config.ledger.on_unavailable})"
+    )
     tiers = ", ".join(
         f"{name} (cap {t.max_tokens_cap}, default {t.default_max_tokens}, {t.max_blocks} blocks)"
         for name, t in config.tenancy.tiers.items()
     )
-    print(f"  tenancy: identity={config.tenancy.identity}, default tier "
-          f"{config.tenancy.default_tier or '(none: unknown tenants get 401)'}")
+    print(
+        f"  tenancy: identity={config.tenancy.identity}, default tier "
+        f"{config.tenancy.default_tier or '(none: unknown tenants get 401)'}"
+    )
     print(f"  tiers: {tiers}")
     for pool in built.pools.values():
         cap = pool.capacity
-        capacity = (f"{cap.blocks} blocks of {cap.block_size} tokens, admits up to {pool.limit}"
-                    if cap else f"discovered from {', '.join(pool.config.capacity.endpoints or [])}")
-        print(f"  pool {pool.name}: models {', '.join(pool.config.models)}; {capacity}; "
-              f"watermark {pool.config.watermark}")
+        capacity = (
+            f"{cap.blocks} blocks of {cap.block_size} tokens, admits up to {pool.limit}"
+            if cap
+            else f"discovered from {', '.join(pool.config.capacity.endpoints or [])}"
+        )
+        print(
+            f"  pool {pool.name}: models {', '.join(pool.config.models)}; {capacity}; "
+            f"watermark {pool.config.watermark}"
+        )
     if config.shadow:
         print("  shadow mode: decisions are recorded, nothing is refused for capacity")
     return 0

@@ -42,8 +42,9 @@ class PromptCounter:
     def __init__(self, workers: int = 2) -> None:
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="kvguard-count")
 
-    async def count(self, tokenizer: PoolTokenizer, request: InferenceRequest,
-                    body_bytes: int) -> list[int]:
+    async def count(
+        self, tokenizer: PoolTokenizer, request: InferenceRequest, body_bytes: int
+    ) -> list[int]:
         if body_bytes <= INLINE_BODY_BYTES:
             return count_prompts(tokenizer, request, batch=False)
         loop = asyncio.get_running_loop()

@@ -42,14 +42,16 @@ DEMO_CONFIG: dict[str, Any] = {
         },
         "tenants": {"acme": "pro"},
     },
-    "pools": [{
-        "name": "qwen",
-        "models": [MODEL],
-        "tokenizer": str(TOKENIZER),
-        "max_model_len": 32768,
-        "watermark": 0.15,
-        "capacity": {"blocks": CAPACITY_BLOCKS, "block_size": BLOCK_SIZE},
-    }],
+    "pools": [
+        {
+            "name": "qwen",
+            "models": [MODEL],
+            "tokenizer": str(TOKENIZER),
+            "max_model_len": 32768,
+            "watermark": 0.15,
+            "capacity": {"blocks": CAPACITY_BLOCKS, "block_size": BLOCK_SIZE},
+        }
+    ],
 }
 
 
@@ -65,16 +67,36 @@ def _burst(requests_per_tenant: int) -> list[tuple[str, dict[str, Any]]]:
     question = "Summarise the plot of a long novel about a lighthouse keeper. " * 8
     burst = []
     for i in range(requests_per_tenant):
-        burst.append(("acme", {"model": MODEL, "max_tokens": 8000, "stream": True,
-                               "messages": [{"role": "system", "content": "Be thorough."},
-                                            {"role": "user", "content": f"{i}: {question}"}]}))
-        burst.append(("hobbyist", {"model": MODEL, "stream": True,
-                                   "messages": [{"role": "user", "content": f"Joke #{i}, please"}]}))
+        burst.append(
+            (
+                "acme",
+                {
+                    "model": MODEL,
+                    "max_tokens": 8000,
+                    "stream": True,
+                    "messages": [
+                        {"role": "system", "content": "Be thorough."},
+                        {"role": "user", "content": f"{i}: {question}"},
+                    ],
+                },
+            )
+        )
+        burst.append(
+            (
+                "hobbyist",
+                {
+                    "model": MODEL,
+                    "stream": True,
+                    "messages": [{"role": "user", "content": f"Joke #{i}, please"}],
+                },
+            )
+        )
     return burst
 
 
-async def _send(http: aiohttp.ClientSession, url: str, tenant: str, body: dict[str, Any],
-                demo_id: str) -> tuple[int, str]:
+async def _send(
+    http: aiohttp.ClientSession, url: str, tenant: str, body: dict[str, Any], demo_id: str
+) -> tuple[int, str]:
     headers = {"x-tenant-id": tenant, "x-demo-id": demo_id}
     async with http.post(url + "/v1/chat/completions", json=body, headers=headers) as response:
         await response.read()
@@ -96,16 +118,27 @@ async def _run(requests_per_tenant: int) -> int:
         await service.grpc.start()
         upstream = RecordingUpstream(token_delay=0.002)
         await upstream.start()
-        envoy = EnvoyProcess(render_envoy_config(
-            SHIPPED_CONFIG, listen_port=0, admin_port=0, kvguard_port=service.grpc.port,
-            upstream_port=upstream.port), workdir)
+        envoy = EnvoyProcess(
+            render_envoy_config(
+                SHIPPED_CONFIG,
+                listen_port=0,
+                admin_port=0,
+                kvguard_port=service.grpc.port,
+                upstream_port=upstream.port,
+            ),
+            workdir,
+        )
         try:
             await envoy.start()
             await envoy.wait_cluster_healthy("kvguard")
-            print(f"Envoy {envoy.url} -> kvguard 127.0.0.1:{service.grpc.port} "
-                  f"-> upstream {upstream.url}")
-            print(f"pool qwen: {CAPACITY_BLOCKS} blocks of {BLOCK_SIZE} tokens, watermark 0.15 "
-                  f"(admits up to {service.policy.pools['qwen'].limit} blocks)\n")
+            print(
+                f"Envoy {envoy.url} -> kvguard 127.0.0.1:{service.grpc.port} "
+                f"-> upstream {upstream.url}"
+            )
+            print(
+                f"pool qwen: {CAPACITY_BLOCKS} blocks of {BLOCK_SIZE} tokens, watermark 0.15 "
+                f"(admits up to {service.policy.pools['qwen'].limit} blocks)\n"
+            )
             return await _replay(service, upstream, envoy, requests_per_tenant)
         finally:
             await envoy.stop()
@@ -113,8 +146,9 @@ async def _run(requests_per_tenant: int) -> int:
             await service.grpc.stop(0)
 
 
-async def _replay(service: Service, upstream: RecordingUpstream, envoy: EnvoyProcess,
-                  requests_per_tenant: int) -> int:
+async def _replay(
+    service: Service, upstream: RecordingUpstream, envoy: EnvoyProcess, requests_per_tenant: int
+) -> int:
     burst = _burst(requests_per_tenant)
     tallies: dict[str, TenantTally] = collections.defaultdict(TenantTally)
     sent: dict[str, dict[str, Any]] = {}
@@ -142,8 +176,10 @@ async def _replay(service: Service, upstream: RecordingUpstream, envoy: EnvoyPro
             tallies[seen.headers["x-tenant-id"]].clamped += 1
     _print_table(tallies)
     left = (await service.ledger.usage("qwen")).reserved
-    print(f"\nledger peak: {peak[0]} of {CAPACITY_BLOCKS} blocks reserved "
-          f"(limit {service.policy.pools['qwen'].limit}); after the burst: {left}")
+    print(
+        f"\nledger peak: {peak[0]} of {CAPACITY_BLOCKS} blocks reserved "
+        f"(limit {service.policy.pools['qwen'].limit}); after the burst: {left}"
+    )
     return 0 if left == 0 else 1
 
 
@@ -152,8 +188,10 @@ def _print_table(tallies: dict[str, TenantTally]) -> None:
     for tenant, tally in tallies.items():
         tier = DEMO_CONFIG["tenancy"]["tenants"].get(tenant, "free")
         refused = ", ".join(f"{n} x {why}" for why, n in tally.refused.most_common()) or "-"
-        print(f"{tenant:<10} {tier:<5} {tally.sent:>5} {tally.admitted:>9} {tally.clamped:>8}  "
-              f"{refused}")
+        print(
+            f"{tenant:<10} {tier:<5} {tally.sent:>5} {tally.admitted:>9} {tally.clamped:>8}  "
+            f"{refused}"
+        )
 
 
 def run_demo(requests_per_tenant: int = 24) -> int:

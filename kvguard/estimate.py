@@ -17,8 +17,9 @@ class Limits:
     clamped: bool  # True when a client value was lowered or a limit was injected
 
 
-def clamp(kind: Kind, sent: dict[str, int], tier: Tier, max_model_len: int,
-          longest_prompt: int) -> Limits:
+def clamp(
+    kind: Kind, sent: dict[str, int], tier: Tier, max_model_len: int, longest_prompt: int
+) -> Limits:
     """Clamp each limit the client sent to the tier cap and to the context room left by the
     longest prompt; inject `max_tokens` = the tier default when vLLM would read none."""
     room = max_model_len - longest_prompt

@@ -15,8 +15,13 @@ COMPONENTS = ("policy", "tokenizers", "capacity", "ledger", "draining")
 class Health:
     def __init__(self, *, ledger_required: bool = True) -> None:
         self._ledger_required = ledger_required
-        self._state = {"policy": False, "tokenizers": False, "capacity": False,
-                       "ledger": False, "draining": False}
+        self._state = {
+            "policy": False,
+            "tokenizers": False,
+            "capacity": False,
+            "ledger": False,
+            "draining": False,
+        }
         self._listeners: list[Callable[[bool], None]] = []
 
     def set(self, component: str, value: bool) -> None:

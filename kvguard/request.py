@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvguard.chat_messages import TokenizerError, lax_bool
 from kvguard.errors import invalid
 
 Kind = Literal["chat", "completion"]
@@ -119,7 +120,10 @@ def prompts_of(request: InferenceRequest) -> list[str | list[int]]:
 
 def add_special_tokens(request: InferenceRequest) -> bool:
     """vLLM's default: False for chat (the template adds them), True for completions."""
-    value = request.body.get("add_special_tokens", request.kind == "completion")
-    if not isinstance(value, bool):
-        raise invalid("'add_special_tokens' must be a boolean", "add_special_tokens")
-    return value
+    try:
+        return lax_bool(
+            request.body.get("add_special_tokens", request.kind == "completion"),
+            "add_special_tokens",
+        )
+    except TokenizerError as exc:
+        raise invalid(str(exc), "add_special_tokens") from None

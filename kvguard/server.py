@@ -7,7 +7,6 @@ import contextlib
 import logging
 import signal
 
-from kvguard.ledger.url import from_url
 from kvguard import policy as policies
 from kvguard.admission import Admission, AdmissionSettings
 from kvguard.config import Config
@@ -16,6 +15,7 @@ from kvguard.extproc.server import GrpcServer
 from kvguard.extproc.service import ExternalProcessor
 from kvguard.health import Health
 from kvguard.leases import LeaseKeeper
+from kvguard.ledger.url import from_url
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +37,16 @@ class Service:
         self.health.set("ledger", True)
         self.counter = PromptCounter()
         self.keeper = LeaseKeeper(self.ledger, config.ledger.lease_seconds)
-        self.admission = Admission(self.ledger, self.counter, AdmissionSettings(
-            config.server.max_body_bytes, config.ledger.lease_seconds))
+        self.admission = Admission(
+            self.ledger,
+            self.counter,
+            AdmissionSettings(config.server.max_body_bytes, config.ledger.lease_seconds),
+        )
         processor = ExternalProcessor(lambda: self.policy, self.admission, self.keeper)
         self.grpc = GrpcServer(
-            config.server.grpc_listen, processor, self.health,
+            config.server.grpc_listen,
+            processor,
+            self.health,
             max(MIN_GRPC_MESSAGE_BYTES, 2 * config.server.max_body_bytes),
         )
 

@@ -19,11 +19,19 @@ def model_dir(name: str) -> Path:
     return folder
 
 
-def kvguard_config(*, grpc_port: int = 0, blocks: int = 1000, block_size: int = 16,
-                   watermark: float = 0.15, max_model_len: int = 4096,
-                   tiers: dict[str, Any] | None = None, tenants: dict[str, str] | None = None,
-                   default_tier: str | None = "free", shadow: bool = False,
-                   **server: Any) -> dict[str, Any]:
+def kvguard_config(
+    *,
+    grpc_port: int = 0,
+    blocks: int = 1000,
+    block_size: int = 16,
+    watermark: float = 0.15,
+    max_model_len: int = 4096,
+    tiers: dict[str, Any] | None = None,
+    tenants: dict[str, str] | None = None,
+    default_tier: str | None = "free",
+    shadow: bool = False,
+    **server: Any,
+) -> dict[str, Any]:
     """A configuration with one pool `qwen` (model "qwen") on the real Qwen tokenizer."""
     return {
         "server": {"grpc_listen": f"127.0.0.1:{grpc_port}", "metrics_listen": "", **server},
@@ -31,21 +39,24 @@ def kvguard_config(*, grpc_port: int = 0, blocks: int = 1000, block_size: int = 
         "tenancy": {
             "header": "x-tenant-id",
             "default_tier": default_tier,
-            "tiers": tiers or {
+            "tiers": tiers
+            or {
                 "free": {"max_tokens_cap": 64, "default_max_tokens": 32, "max_blocks": 40},
                 "pro": {"max_tokens_cap": 512, "default_max_tokens": 128, "max_blocks": 400},
             },
             "tenants": tenants if tenants is not None else {"acme": "pro", "globex": "pro"},
         },
         "shadow": shadow,
-        "pools": [{
-            "name": "qwen",
-            "models": ["qwen"],
-            "tokenizer": str(model_dir("qwen")),
-            "max_model_len": max_model_len,
-            "watermark": watermark,
-            "capacity": {"blocks": blocks, "block_size": block_size},
-        }],
+        "pools": [
+            {
+                "name": "qwen",
+                "models": ["qwen"],
+                "tokenizer": str(model_dir("qwen")),
+                "max_model_len": max_model_len,
+                "watermark": watermark,
+                "capacity": {"blocks": blocks, "block_size": block_size},
+            }
+        ],
     }
 
 

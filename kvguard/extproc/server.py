@@ -23,12 +23,15 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class GrpcServer:
-    def __init__(self, listen: str, processor: ExternalProcessor, health: Health,
-                 max_message_bytes: int) -> None:
-        self._server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-        ])
+    def __init__(
+        self, listen: str, processor: ExternalProcessor, health: Health, max_message_bytes: int
+    ) -> None:
+        self._server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.max_send_message_length", max_message_bytes),
+            ]
+        )
         ext_proc_grpc.add_ExternalProcessorServicer_to_server(processor, self._server)
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

@@ -53,8 +53,9 @@ def _headers(header_map: HeaderMap) -> dict[str, str]:
 
 
 class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(self, policy: Callable[[], Policy], admission: Admission,
-                 keeper: LeaseKeeper) -> None:
+    def __init__(
+        self, policy: Callable[[], Policy], admission: Admission, keeper: LeaseKeeper
+    ) -> None:
         self._policy = policy
         self._admission = admission
         self._keeper = keeper
@@ -74,7 +75,8 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
                             response = self._on_request_headers(exchange, message.request_headers)
                         case "request_body":
                             response, lease = await self._on_request_body(
-                                exchange, message.request_body)
+                                exchange, message.request_body
+                            )
                         case "response_headers":
                             exchange.upstream_status = _status(message.response_headers)
                             response = responses.continue_response("response_headers")
@@ -99,12 +101,14 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
             raise invalid("this endpoint needs a JSON request body")
         return responses.request_headers(remove, guarded=True)
 
-    async def _on_request_body(self, exchange: _Exchange,
-                               message: HttpBody) -> tuple[ProcessingResponse, Lease | None]:
+    async def _on_request_body(
+        self, exchange: _Exchange, message: HttpBody
+    ) -> tuple[ProcessingResponse, Lease | None]:
         if exchange.kind is None or exchange.identity is None:
             return responses.continue_response("request_body"), None
         admitted = await self._admission.decide(
-            exchange.policy, exchange.kind, exchange.identity, message.body)
+            exchange.policy, exchange.kind, exchange.identity, message.body
+        )
         if admitted.lease is not None:
             self._keeper.hold(admitted.lease)
         return responses.admitted_body(admitted.body, admitted.headers), admitted.lease

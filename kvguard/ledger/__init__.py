@@ -1,6 +1,7 @@
 """Ledgers: where reservations of KV-cache blocks live.
 
-A backend is picked from the URL scheme (`kvguard.ledger.url.from_url`). Every backend makes the same
+A backend is picked from the URL scheme (`kvguard.ledger.url.from_url`). Every backend makes
+the same
 promise: `reserve` checks the pool limit and the tenant quota and records the lease in one
 atomic step, reclaiming expired leases on the way; `release` is idempotent.
 """

@@ -55,7 +55,9 @@ class MemoryLedger:
             if tenant_after > claim.tenant_quota:
                 return Reservation(Outcome.TENANT_QUOTA, pool.reserved, tenant_after - claim.blocks)
             if pool_after > claim.pool_limit:
-                return Reservation(Outcome.POOL_WATERMARK, pool.reserved, tenant_after - claim.blocks)
+                return Reservation(
+                    Outcome.POOL_WATERMARK, pool.reserved, tenant_after - claim.blocks
+                )
             lease = Lease(claim.lease_id, claim.pool, claim.tenant, claim.blocks)
             expiry = now + claim.lease_seconds
             pool.leases[lease.lease_id] = (lease, expiry)

@@ -35,8 +35,9 @@ class Gateway:
     async def reserved(self, pool: str = "qwen") -> int:
         return (await self.service.ledger.usage(pool)).reserved
 
-    async def post(self, path: str, payload: Any, tenant: str | None = "acme",
-                   **headers: str) -> tuple[int, dict[str, str], Any]:
+    async def post(
+        self, path: str, payload: Any, tenant: str | None = "acme", **headers: str
+    ) -> tuple[int, dict[str, str], Any]:
         hdrs = {k.replace("_", "-"): v for k, v in headers.items()}
         if tenant is not None:
             hdrs["x-tenant-id"] = tenant
@@ -65,8 +66,13 @@ async def gateway(tmp_path: Path, **config: Any) -> AsyncIterator[Gateway]:
     await service.grpc.start()
     upstream = RecordingUpstream()
     await upstream.start()
-    rendered = render_envoy_config(SHIPPED_CONFIG, listen_port=0, admin_port=0,
-                                   kvguard_port=service.grpc.port, upstream_port=upstream.port)
+    rendered = render_envoy_config(
+        SHIPPED_CONFIG,
+        listen_port=0,
+        admin_port=0,
+        kvguard_port=service.grpc.port,
+        upstream_port=upstream.port,
+    )
     envoy = EnvoyProcess(rendered, tmp_path)
     try:
         await envoy.start()

@@ -22,9 +22,11 @@ async def zero(gw: Gateway) -> bool:
 
 async def test_upstream_sees_clamped_limit_and_consistent_length(tmp_path: Path) -> None:
     async with gateway(tmp_path) as gw:
-        status, _, answer = await gw.post("/v1/chat/completions",
-                                          {**CHAT, "max_tokens": 100000},
-                                          x_kvguard_lease="spoofed-by-client")
+        status, _, answer = await gw.post(
+            "/v1/chat/completions",
+            {**CHAT, "max_tokens": 100000},
+            x_kvguard_lease="spoofed-by-client",
+        )
         assert status == 200, answer
         (seen,) = gw.upstream.requests
         assert seen.json()["max_tokens"] == 512  # the pro tier's cap
@@ -39,8 +41,9 @@ async def test_absent_limit_is_injected_with_the_tier_default(tmp_path: Path) ->
     async with gateway(tmp_path) as gw:
         status, _, _ = await gw.post("/v1/chat/completions", CHAT, tenant="someone-free")
         assert status == 200
-        status, _, _ = await gw.post("/v1/completions?x=1",
-                                     {"model": "qwen", "prompt": "Once upon"}, tenant="acme")
+        status, _, _ = await gw.post(
+            "/v1/completions?x=1", {"model": "qwen", "prompt": "Once upon"}, tenant="acme"
+        )
         assert status == 200
         chat, completion = gw.upstream.requests
         assert chat.json()["max_tokens"] == 32  # free default
@@ -51,9 +54,12 @@ async def test_absent_limit_is_injected_with_the_tier_default(tmp_path: Path) ->
 async def test_flood_from_one_tenant_is_refused_while_another_gets_through(tmp_path: Path) -> None:
     # free tier: quota 40 blocks; each request holds 3 blocks while the upstream delays it.
     async with gateway(tmp_path, blocks=10000) as gw:
-        flood = [asyncio.create_task(gw.post("/v1/chat/completions", CHAT, tenant="noisy",
-                                             x_test_delay="2"))
-                 for _ in range(30)]
+        flood = [
+            asyncio.create_task(
+                gw.post("/v1/chat/completions", CHAT, tenant="noisy", x_test_delay="2")
+            )
+            for _ in range(30)
+        ]
         await gw.upstream.wait_for_requests(13, timeout=10)
         status, _, _ = await gw.post("/v1/chat/completions", CHAT, tenant="quiet")
         assert status == 200
@@ -72,9 +78,12 @@ async def test_flood_from_one_tenant_is_refused_while_another_gets_through(tmp_p
 async def test_pool_watermark_refuses_every_tenant(tmp_path: Path) -> None:
     # 20 blocks, watermark 0.5: 10 may be reserved, three requests of 3 blocks fit.
     async with gateway(tmp_path, blocks=20, watermark=0.5) as gw:
-        held = [asyncio.create_task(gw.post("/v1/chat/completions", CHAT, tenant=f"t{i}",
-                                            x_test_delay="2"))
-                for i in range(3)]
+        held = [
+            asyncio.create_task(
+                gw.post("/v1/chat/completions", CHAT, tenant=f"t{i}", x_test_delay="2")
+            )
+            for i in range(3)
+        ]
         await gw.upstream.wait_for_requests(3, timeout=10)
         status, headers, body = await gw.post("/v1/chat/completions", CHAT, tenant="late")
         assert (status, body["error"]["code"]) == (429, "kv_cache_watermark_exceeded")
@@ -98,10 +107,15 @@ async def test_ledger_returns_to_zero_however_the_exchange_ends(tmp_path: Path) 
         await wait_until(lambda: zero(gw))
 
         # A stream that the upstream resets half way.
-        async with gw.http.post(gw.url + "/v1/chat/completions",
-                                json={**CHAT, "stream": True, "max_tokens": 50},
-                                headers={"x-tenant-id": "acme", "x-test-reset-after": "3",
-                                         "x-test-token-delay": "0.01"}) as response:
+        async with gw.http.post(
+            gw.url + "/v1/chat/completions",
+            json={**CHAT, "stream": True, "max_tokens": 50},
+            headers={
+                "x-tenant-id": "acme",
+                "x-test-reset-after": "3",
+                "x-test-token-delay": "0.01",
+            },
+        ) as response:
             with pytest.raises(aiohttp.ClientPayloadError):
                 await response.read()
         await wait_until(lambda: zero(gw))
@@ -110,8 +124,10 @@ async def test_ledger_returns_to_zero_however_the_exchange_ends(tmp_path: Path) 
 async def test_client_cancelling_mid_stream_releases_the_lease(tmp_path: Path) -> None:
     async with gateway(tmp_path) as gw:
         response = await gw.http.post(
-            gw.url + "/v1/chat/completions", json={**CHAT, "stream": True, "max_tokens": 500},
-            headers={"x-tenant-id": "acme", "x-test-token-delay": "0.05"})
+            gw.url + "/v1/chat/completions",
+            json={**CHAT, "stream": True, "max_tokens": 500},
+            headers={"x-tenant-id": "acme", "x-test-token-delay": "0.05"},
+        )
         assert response.status == 200
         first = await response.content.readline()
         assert first.startswith(b"data: ")
@@ -127,15 +143,18 @@ async def _no_upstream_in_flight(gw: Gateway) -> bool:
 
 async def test_request_that_can_never_fit_and_malformed_bodies_get_400(tmp_path: Path) -> None:
     async with gateway(tmp_path) as gw:
-        status, headers, body = await gw.post("/v1/chat/completions",
-                                              {**CHAT, "max_tokens": 512, "n": 50})
+        status, headers, body = await gw.post(
+            "/v1/chat/completions", {**CHAT, "max_tokens": 512, "n": 50}
+        )
         assert (status, body["error"]["code"]) == (400, "request_exceeds_capacity")
         assert headers["content-type"] == "application/json"
         for raw in (b"{oops", b'{"model": "qwen"}', b'{"model": "qwen", "prompt": 5}'):
             path = "/v1/completions"
-            async with gw.http.post(gw.url + path, data=raw,
-                                    headers={"x-tenant-id": "acme",
-                                             "content-type": "application/json"}) as response:
+            async with gw.http.post(
+                gw.url + path,
+                data=raw,
+                headers={"x-tenant-id": "acme", "content-type": "application/json"},
+            ) as response:
                 error = await response.json(content_type=None)
                 assert response.status == 400
                 assert response.headers["x-kvguard-reason"] == "invalid_request"
@@ -155,9 +174,11 @@ async def test_body_between_kvguard_and_envoy_limits_gets_kvguard_413(tmp_path: 
 async def test_unguarded_paths_pass_untouched(tmp_path: Path) -> None:
     async with gateway(tmp_path) as gw:
         raw = json.dumps({"model": "qwen", "input": "embed me"}).encode()
-        async with gw.http.post(gw.url + "/v1/embeddings", data=raw,
-                                headers={"x-kvguard-blocks": "999",
-                                         "content-type": "application/json"}) as response:
+        async with gw.http.post(
+            gw.url + "/v1/embeddings",
+            data=raw,
+            headers={"x-kvguard-blocks": "999", "content-type": "application/json"},
+        ) as response:
             assert response.status == 200
         async with gw.http.get(gw.url + "/v1/models") as response:
             assert response.status == 200

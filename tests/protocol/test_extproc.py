@@ -37,16 +37,23 @@ async def running(tmp_path: Path, **overrides: Any) -> AsyncIterator[tuple[Servi
         await service.grpc.stop(0)
 
 
-def headers(path: str, extra: dict[str, str] | None = None, *, eos: bool = False,
-            tenant: str | None = "acme") -> pb.ProcessingRequest:
+def headers(
+    path: str,
+    extra: dict[str, str] | None = None,
+    *,
+    eos: bool = False,
+    tenant: str | None = "acme",
+) -> pb.ProcessingRequest:
     values = {":method": "POST", ":path": path, "content-type": "application/json"}
     if tenant is not None:
         values["x-tenant-id"] = tenant
     values.update(extra or {})
-    header_map = HeaderMap(headers=[HeaderValue(key=k, raw_value=v.encode())
-                                    for k, v in values.items()])
-    return pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=header_map,
-                                                               end_of_stream=eos))
+    header_map = HeaderMap(
+        headers=[HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()]
+    )
+    return pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(headers=header_map, end_of_stream=eos)
+    )
 
 
 def body(payload: Any) -> pb.ProcessingRequest:
@@ -91,6 +98,7 @@ async def reserved(service: Service) -> int:
     return (await service.ledger.usage("qwen")).reserved
 
 
+HI = '{"model": "qwen", "messages": [{"role": "user", "content": "hi"}]'
 CHAT = {"model": "qwen", "messages": [{"role": "user", "content": "Say hello in French."}]}
 
 
@@ -109,7 +117,8 @@ async def test_admitted_chat_is_clamped_and_released_at_the_end(tmp_path: Path) 
         hdrs = set_headers(common)
         assert hdrs["content-length"] == str(len(common.body_mutation.body))
         expected_prompt = service.policy.pools["qwen"].tokenizer.count(
-            service.policy.pools["qwen"].tokenizer.render_chat(CHAT), False)
+            service.policy.pools["qwen"].tokenizer.render_chat(CHAT), False
+        )
         assert hdrs["x-kvguard-prompt-tokens"] == str(expected_prompt)
         blocks = math.ceil((expected_prompt + 512) / 16)
         assert hdrs["x-kvguard-blocks"] == str(blocks)
@@ -138,7 +147,8 @@ async def test_cancelled_stream_releases_its_lease(tmp_path: Path) -> None:
 async def test_limits_within_the_cap_leave_the_body_untouched(tmp_path: Path) -> None:
     async with running(tmp_path) as (_, stub):
         _, (_, on_body) = await exchange(
-            stub, headers("/v1/chat/completions?stream=1"), body({**CHAT, "max_tokens": 10}))
+            stub, headers("/v1/chat/completions?stream=1"), body({**CHAT, "max_tokens": 10})
+        )
         common = on_body.request_body.response
         assert not common.HasField("body_mutation")
         assert "x-kvguard-lease" in set_headers(common)
@@ -159,7 +169,8 @@ async def test_completion_batch_counts_each_prompt(tmp_path: Path) -> None:
         tokenizer = service.policy.pools["qwen"].tokenizer
         prompts = ["Once upon a time", "The quick brown fox jumps"]
         _, (_, on_body) = await exchange(
-            stub, headers("/v1/completions"),
+            stub,
+            headers("/v1/completions"),
             body({"model": "qwen", "prompt": prompts, "max_tokens": 20, "n": 2}),
         )
         counts = [tokenizer.count(p, True) for p in prompts]
@@ -167,36 +178,52 @@ async def test_completion_batch_counts_each_prompt(tmp_path: Path) -> None:
         assert hdrs["x-kvguard-prompt-tokens"] == str(sum(counts))
         assert hdrs["x-kvguard-blocks"] == str(2 * sum(math.ceil((c + 20) / 16) for c in counts))
         _, (_, on_ids) = await exchange(
-            stub, headers("/v1/completions"),
-            body({"model": "qwen", "prompt": [[1, 2, 3], [4] * 30], "max_tokens": 2}))
+            stub,
+            headers("/v1/completions"),
+            body({"model": "qwen", "prompt": [[1, 2, 3], [4] * 30], "max_tokens": 2}),
+        )
         hdrs = set_headers(on_ids.request_body.response)
         assert (hdrs["x-kvguard-prompt-tokens"], hdrs["x-kvguard-blocks"]) == ("33", "3")
-        _, (_, mixed) = await exchange(stub, headers("/v1/completions"),
-                                       body({"model": "qwen", "prompt": ["a", [1, 2]]}))
+        _, (_, mixed) = await exchange(
+            stub, headers("/v1/completions"), body({"model": "qwen", "prompt": ["a", [1, 2]]})
+        )
         assert refusal(mixed)[2]["error"]["param"] == "prompt"
 
 
-@pytest.mark.parametrize(("payload", "param"), [
-    (b"{not json", None),
-    (b"[1, 2]", None),
-    (b'{"model": "qwen", "messages": [], "max_tokens": 5}', "messages"),
-    (b'{"model": "qwen", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}',
-     "max_tokens"),
-    (b'{"model": "qwen", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2.5}',
-     "max_tokens"),
-    (b'{"model": "qwen", "messages": [{"role": "user", "content": "hi"}], "n": true}', "n"),
-    (b'{"model": "qwen", "messages": [{"role": "user", "content": "hi"}], "max_tokens": NaN}',
-     None),
-    (b'{"model": 7, "messages": [{"role": "user", "content": "hi"}]}', "model"),
-    (b"\xff\xfe not utf-8", None),
-])
+@pytest.mark.parametrize(
+    ("payload", "param"),
+    [
+        (b"{not json", None),
+        (b"[1, 2]", None),
+        (b'{"model": "qwen", "messages": [], "max_tokens": 5}', "messages"),
+        (
+            b'{"model": "qwen", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}',
+            "max_tokens",
+        ),
+        (
+            (HI + ', "max_tokens": 2.5}').encode(),
+            "max_tokens",
+        ),
+        (b'{"model": "qwen", "messages": [{"role": "user", "content": "hi"}], "n": true}', "n"),
+        (
+            (HI + ', "max_tokens": NaN}').encode(),
+            None,
+        ),
+        (b'{"model": 7, "messages": [{"role": "user", "content": "hi"}]}', "model"),
+        (b"\xff\xfe not utf-8", None),
+    ],
+)
 async def test_malformed_bodies_get_400_and_reserve_nothing(
-        tmp_path: Path, payload: bytes, param: str | None) -> None:
+    tmp_path: Path, payload: bytes, param: str | None
+) -> None:
     async with running(tmp_path) as (service, stub):
         _, (_, answer) = await exchange(stub, headers("/v1/chat/completions"), body(payload))
         status, hdrs, error = refusal(answer)
         assert (status, hdrs["x-kvguard-reason"], error["error"]["code"]) == (
-            400, "invalid_request", "invalid_request")
+            400,
+            "invalid_request",
+            "invalid_request",
+        )
         assert hdrs["content-type"] == "application/json"
         assert error["error"]["param"] == param
         assert error["error"]["type"] == "invalid_request_error"
@@ -228,8 +255,9 @@ async def test_body_over_the_limit_gets_413(tmp_path: Path) -> None:
 
 async def test_unknown_model_and_too_long_prompt(tmp_path: Path) -> None:
     async with running(tmp_path, max_model_len=64) as (_, stub):
-        _, (_, unknown) = await exchange(stub, headers("/v1/chat/completions"),
-                                         body({**CHAT, "model": "gpt-9"}))
+        _, (_, unknown) = await exchange(
+            stub, headers("/v1/chat/completions"), body({**CHAT, "model": "gpt-9"})
+        )
         assert refusal(unknown)[2]["error"]["code"] == "model_not_found"
         long = {"model": "qwen", "prompt": "word " * 100}
         _, (_, too_long) = await exchange(stub, headers("/v1/completions"), body(long))
@@ -240,8 +268,9 @@ async def test_unknown_model_and_too_long_prompt(tmp_path: Path) -> None:
 async def test_request_that_can_never_fit_gets_400(tmp_path: Path) -> None:
     async with running(tmp_path) as (service, stub):
         # pro: 512 tokens x n=20 -> far more than the 400-block quota.
-        _, (_, answer) = await exchange(stub, headers("/v1/chat/completions"),
-                                        body({**CHAT, "max_tokens": 512, "n": 20}))
+        _, (_, answer) = await exchange(
+            stub, headers("/v1/chat/completions"), body({**CHAT, "max_tokens": 512, "n": 20})
+        )
         status, hdrs, error = refusal(answer)
         assert (status, error["error"]["code"]) == (400, "request_exceeds_capacity")
         assert "retry-after" not in hdrs
@@ -253,24 +282,31 @@ async def test_tenant_quota_then_watermark_give_429(tmp_path: Path) -> None:
     async with running(tmp_path, blocks=100, watermark=0.5) as (service, stub):
         calls = []
         for _ in range(13):
-            call, (_, answer) = await exchange(stub, headers("/v1/chat/completions",
-                                                             tenant="freeloader"), body(CHAT))
+            call, (_, answer) = await exchange(
+                stub, headers("/v1/chat/completions", tenant="freeloader"), body(CHAT)
+            )
             assert answer.WhichOneof("response") == "request_body"
             calls.append(call)
-        _, (_, over) = await exchange(stub, headers("/v1/chat/completions", tenant="freeloader"),
-                                      body(CHAT))
+        _, (_, over) = await exchange(
+            stub, headers("/v1/chat/completions", tenant="freeloader"), body(CHAT)
+        )
         status, hdrs, error = refusal(over)
         assert (status, error["error"]["code"], hdrs["retry-after"]) == (
-            429, "tenant_block_quota_exceeded", "1")
+            429,
+            "tenant_block_quota_exceeded",
+            "1",
+        )
         assert hdrs["x-kvguard-reason"] == "tenant_block_quota_exceeded"
         # Another free tenant fills the pool to its limit of 50 blocks: 39 + 3 + 3 + 3 = 48.
         for _ in range(3):
-            call, (_, answer) = await exchange(stub, headers("/v1/chat/completions",
-                                                             tenant="other"), body(CHAT))
+            call, (_, answer) = await exchange(
+                stub, headers("/v1/chat/completions", tenant="other"), body(CHAT)
+            )
             assert answer.WhichOneof("response") == "request_body"
             calls.append(call)
-        _, (_, full) = await exchange(stub, headers("/v1/chat/completions", tenant="third"),
-                                      body(CHAT))
+        _, (_, full) = await exchange(
+            stub, headers("/v1/chat/completions", tenant="third"), body(CHAT)
+        )
         assert refusal(full)[0] == 429
         assert refusal(full)[2]["error"]["code"] == "kv_cache_watermark_exceeded"
         assert await reserved(service) == 48
@@ -281,8 +317,9 @@ async def test_tenant_quota_then_watermark_give_429(tmp_path: Path) -> None:
 
 async def test_shadow_mode_passes_what_it_would_refuse(tmp_path: Path) -> None:
     async with running(tmp_path, shadow=True) as (service, stub):
-        _, (_, answer) = await exchange(stub, headers("/v1/chat/completions"),
-                                        body({**CHAT, "max_tokens": 512, "n": 20}))
+        _, (_, answer) = await exchange(
+            stub, headers("/v1/chat/completions"), body({**CHAT, "max_tokens": 512, "n": 20})
+        )
         hdrs = set_headers(answer.request_body.response)
         assert hdrs == {"x-kvguard-would-refuse": "request_exceeds_capacity"}
         _, (_, bad) = await exchange(stub, headers("/v1/chat/completions"), body(b"{"))
@@ -292,6 +329,7 @@ async def test_shadow_mode_passes_what_it_would_refuse(tmp_path: Path) -> None:
 
 async def test_internal_fault_answers_503_not_a_silent_pass(tmp_path: Path) -> None:
     async with running(tmp_path) as (service, stub):
+
         async def broken(*_: object) -> None:
             raise RuntimeError("ledger exploded")
 
@@ -303,18 +341,20 @@ async def test_internal_fault_answers_503_not_a_silent_pass(tmp_path: Path) -> N
 
 
 async def test_health_answers_serving(tmp_path: Path) -> None:
-    async with running(tmp_path) as (service, _):
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{service.grpc.port}") as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            for name in ("", "envoy.service.ext_proc.v3.ExternalProcessor", "liveness"):
-                answer = await stub.Check(health_pb2.HealthCheckRequest(service=name))
-                assert answer.status == health_pb2.HealthCheckResponse.SERVING
-            service.health.set("draining", True)
+    async with (
+        running(tmp_path) as (service, _),
+        grpc.aio.insecure_channel(f"127.0.0.1:{service.grpc.port}") as channel,
+    ):
+        stub = health_pb2_grpc.HealthStub(channel)
+        for name in ("", "envoy.service.ext_proc.v3.ExternalProcessor", "liveness"):
+            answer = await stub.Check(health_pb2.HealthCheckRequest(service=name))
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        service.health.set("draining", True)
 
-            async def not_serving() -> bool:
-                answer = await stub.Check(health_pb2.HealthCheckRequest(service=""))
-                return answer.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        async def not_serving() -> bool:
+            answer = await stub.Check(health_pb2.HealthCheckRequest(service=""))
+            return answer.status == health_pb2.HealthCheckResponse.NOT_SERVING
 
-            await wait_until(not_serving)
-            live = await stub.Check(health_pb2.HealthCheckRequest(service="liveness"))
-            assert live.status == health_pb2.HealthCheckResponse.SERVING
+        await wait_until(not_serving)
+        live = await stub.Check(health_pb2.HealthCheckRequest(service="liveness"))
+        assert live.status == health_pb2.HealthCheckResponse.SERVING

@@ -31,7 +31,7 @@ def test_bad_file_names_the_file_and_the_key(path: Path, monkeypatch: pytest.Mon
 
 
 def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
-    with pytest.raises(config.ConfigError, match="nope.yaml: cannot read"):
+    with pytest.raises(config.ConfigError, match=r"nope\.yaml: cannot read"):
         config.load(tmp_path / "nope.yaml")
 
 

@@ -53,8 +53,10 @@ def test_blocks_round_up_per_sequence() -> None:
     assert blocks_needed([809], 1500, 1, 128) == 19
 
 
-@pytest.mark.parametrize(("capacity", "watermark", "limit"),
-                         [(100, 0.15, 85), (63, 0.15, 53), (64, 0.0, 64), (1000, 0.1, 900)])
+@pytest.mark.parametrize(
+    ("capacity", "watermark", "limit"),
+    [(100, 0.15, 85), (63, 0.15, 53), (64, 0.0, 64), (1000, 0.1, 900)],
+)
 def test_pool_limit_keeps_the_watermark_free(capacity: int, watermark: float, limit: int) -> None:
     assert pool_limit(capacity, watermark) == limit
     assert capacity - limit >= watermark * capacity

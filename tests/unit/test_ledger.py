@@ -27,8 +27,16 @@ def clock_and_ledger(request: pytest.FixtureRequest) -> tuple[Clock, Ledger]:
     return clock, from_url(request.param, clock=clock)
 
 
-def claim(lease_id: str, blocks: int, *, tenant: str = "a", pool: str = "p", limit: int = 100,
-          quota: int = 60, lease_s: float = 30.0) -> Claim:
+def claim(
+    lease_id: str,
+    blocks: int,
+    *,
+    tenant: str = "a",
+    pool: str = "p",
+    limit: int = 100,
+    quota: int = 60,
+    lease_s: float = 30.0,
+) -> Claim:
     return Claim(lease_id, pool, tenant, blocks, limit, quota, lease_s)
 
 
@@ -103,9 +111,9 @@ async def test_pools_are_independent(clock_and_ledger) -> None:
 
 async def test_concurrent_reserves_admit_exactly_what_fits(clock_and_ledger) -> None:
     _, ledger = clock_and_ledger
-    results = await asyncio.gather(*(
-        ledger.reserve(claim(str(i), 7, tenant=f"t{i % 5}", quota=100)) for i in range(50)
-    ))
+    results = await asyncio.gather(
+        *(ledger.reserve(claim(str(i), 7, tenant=f"t{i % 5}", quota=100)) for i in range(50))
+    )
     admitted = [r for r in results if r.outcome is Outcome.ADMITTED]
     assert len(admitted) == 100 // 7
     assert (await ledger.usage("p")).reserved == 7 * (100 // 7)

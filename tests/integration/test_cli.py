@@ -1,0 +1,120 @@
+"""The command line as users run it: real processes, real signals."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvguard.testing.envoy import SHIPPED_CONFIG, EnvoyProcess, render_envoy_config
+from kvguard.testing.upstream import RecordingUpstream
+from tests.conftest import kvguard_config, write_config
+
+pytestmark = pytest.mark.integration
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def kvguard(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvguard", *args]
+
+
+async def run(*args: str) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        *kvguard(*args), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await process.communicate()
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+async def test_check_config_summarises_a_good_file(tmp_path: Path) -> None:
+    path = write_config(tmp_path, kvguard_config())
+    code, out, _ = await run("check-config", str(path))
+    assert code == 0
+    assert f"{path}: ok" in out
+    assert "pool qwen: models qwen; 1000 blocks of 16 tokens, admits up to 850" in out
+
+
+async def test_check_config_names_the_file_and_key(tmp_path: Path) -> None:
+    data = kvguard_config()
+    data["pools"][0]["capacity"]["blocks"] = 0
+    path = write_config(tmp_path, data)
+    code, _, err = await run("check-config", str(path))
+    assert code == 1
+    assert err.strip() == f"error: {path}: pools[0].capacity.blocks: Input should be greater than 0"
+
+
+async def test_check_config_reports_a_missing_tokenizer(tmp_path: Path) -> None:
+    data = kvguard_config()
+    data["pools"][0]["tokenizer"] = str(tmp_path / "nowhere")
+    code, _, err = await run("check-config", str(write_config(tmp_path, data)))
+    assert code == 1
+    assert "nowhere" in err
+
+
+async def _health(port: int, service: str = "") -> int:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            answer = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
+        except grpc.aio.AioRpcError:
+            return -1
+        return int(answer.status)
+
+
+async def test_serve_admits_through_envoy_and_exits_0_on_sigterm(tmp_path: Path) -> None:
+    port = free_port()
+    path = write_config(tmp_path, kvguard_config(grpc_port=port, drain_seconds=5))
+    log = (tmp_path / "kvguard.log").open("wb")
+    process = await asyncio.create_subprocess_exec(
+        *kvguard("serve", "--config", str(path)), stdout=log, stderr=log
+    )
+    upstream = RecordingUpstream()
+    await upstream.start()
+    try:
+        deadline = time.monotonic() + 30
+        while await _health(port) != health_pb2.HealthCheckResponse.SERVING:
+            assert process.returncode is None, (tmp_path / "kvguard.log").read_text()
+            assert time.monotonic() < deadline, "kvguard did not become ready"
+            await asyncio.sleep(0.1)
+        rendered = render_envoy_config(
+            SHIPPED_CONFIG,
+            listen_port=0,
+            admin_port=0,
+            kvguard_port=port,
+            upstream_port=upstream.port,
+        )
+        async with EnvoyProcess(rendered, tmp_path) as envoy:
+            await envoy.wait_cluster_healthy("kvguard")
+            async with (
+                aiohttp.ClientSession() as http,
+                http.post(
+                    envoy.url + "/v1/completions",
+                    json={"model": "qwen", "prompt": "Hi"},
+                    headers={"x-tenant-id": "acme"},
+                ) as response,
+            ):
+                assert response.status == 200
+        assert upstream.requests[0].json()["max_tokens"] == 128
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(process.wait(), 15) == 0
+        assert "kvguard stopped" in (tmp_path / "kvguard.log").read_text()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+        await upstream.stop()
+        log.close()
