@@ -10,10 +10,11 @@ import json
 import uuid
 from dataclasses import dataclass
 
+from kvguard.capacity import Capacities
 from kvguard.counting import PromptCounter
 from kvguard.errors import Code, Refusal
 from kvguard.estimate import blocks_needed, clamp
-from kvguard.ledger import Claim, Lease, Ledger, Outcome
+from kvguard.ledger import Claim, Lease, Ledger, LedgerUnavailable, Outcome
 from kvguard.policy import Identity, Policy
 from kvguard.request import Kind, parse
 
@@ -50,14 +51,24 @@ class Admitted:
 class AdmissionSettings:
     max_body_bytes: int
     lease_seconds: float
+    # With `allow`, a request passes (clamped, without a lease) when the ledger is unreachable;
+    # with `reject` (and `local`, whose ledger never reports itself unreachable) it gets 503.
+    on_unavailable: str = "reject"
 
 
 class Admission:
     """Decides requests against the current policy; the ledger and counter are injected."""
 
-    def __init__(self, ledger: Ledger, counter: PromptCounter, settings: AdmissionSettings) -> None:
+    def __init__(
+        self,
+        ledger: Ledger,
+        counter: PromptCounter,
+        capacities: Capacities,
+        settings: AdmissionSettings,
+    ) -> None:
         self.ledger = ledger
         self.counter = counter
+        self.capacities = capacities
         self.settings = settings
 
     async def decide(self, policy: Policy, kind: Kind, identity: Identity, raw: bytes) -> Admitted:
@@ -83,7 +94,8 @@ class Admission:
             raise Refusal(
                 Code.MODEL_NOT_FOUND, f"the model {request.model!r} is not served here", "model"
             )
-        if pool.capacity is None:
+        capacity = self.capacities.get(pool.name)
+        if capacity is None:
             raise Refusal(
                 Code.CAPACITY_UNKNOWN,
                 f"the KV-cache capacity of pool {pool.name!r} is not known yet",
@@ -93,15 +105,14 @@ class Admission:
         limits = clamp(
             kind, request.limits, identity.tier, pool.config.max_model_len, max(prompt_tokens)
         )
-        blocks = blocks_needed(
-            prompt_tokens, limits.max_tokens, request.n, pool.capacity.block_size
-        )
+        blocks = blocks_needed(prompt_tokens, limits.max_tokens, request.n, capacity.block_size)
         quota = identity.tier.max_blocks
-        if blocks > quota or blocks > pool.limit:
+        pool_limit = capacity.limit(pool.config.watermark)
+        if blocks > quota or blocks > pool_limit:
             raise Refusal(
                 Code.REQUEST_EXCEEDS_CAPACITY,
                 f"the request needs {blocks} KV-cache blocks, more than this tenant's quota "
-                f"({quota}) or the pool's admissible capacity ({pool.limit}) allows; "
+                f"({quota}) or the pool's admissible capacity ({pool_limit}) allows; "
                 "lower max_tokens, n or the prompt length",
             )
         claim = Claim(
@@ -109,32 +120,47 @@ class Admission:
             pool.name,
             identity.tenant,
             blocks,
-            pool.limit,
+            pool_limit,
             quota,
             self.settings.lease_seconds,
         )
-        reservation = await self.ledger.reserve(claim)
+        lease = await self._reserve(claim, quota)
+        body = None
+        if limits.fields != request.limits:
+            body = json.dumps({**request.body, **limits.fields}, ensure_ascii=False).encode()
+        prompt_total = sum(prompt_tokens)
+        headers = {
+            "x-kvguard-blocks": str(blocks),
+            "x-kvguard-prompt-tokens": str(prompt_total),
+        }
+        if lease is not None:
+            headers["x-kvguard-lease"] = lease.lease_id
+        return Admitted(pool.name, lease, body, headers, prompt_total, blocks)
+
+    async def _reserve(self, claim: Claim, quota: int) -> Lease | None:
+        """The lease, or None when the ledger is unreachable and `on_unavailable` is allow."""
+        try:
+            reservation = await self.ledger.reserve(claim)
+        except LedgerUnavailable:
+            if self.settings.on_unavailable == "allow":
+                return None
+            raise Refusal(
+                Code.LEDGER_UNAVAILABLE,
+                "the admission ledger cannot be reached; retry later",
+                retry_after_s=RETRY_AFTER_S,
+            ) from None
         if reservation.outcome is Outcome.TENANT_QUOTA:
             raise Refusal(
                 Code.TENANT_BLOCK_QUOTA_EXCEEDED,
-                f"tenant quota of {quota} KV-cache blocks in pool {pool.name!r} is in "
+                f"tenant quota of {quota} KV-cache blocks in pool {claim.pool!r} is in "
                 "use by this tenant's requests in flight; retry later",
                 retry_after_s=RETRY_AFTER_S,
             )
         if reservation.outcome is Outcome.POOL_WATERMARK:
             raise Refusal(
                 Code.KV_CACHE_WATERMARK_EXCEEDED,
-                f"the KV cache of pool {pool.name!r} is full; retry later",
+                f"the KV cache of pool {claim.pool!r} is full; retry later",
                 retry_after_s=RETRY_AFTER_S,
             )
         assert reservation.lease is not None
-        body = None
-        if limits.fields != request.limits:
-            body = json.dumps({**request.body, **limits.fields}, ensure_ascii=False).encode()
-        prompt_total = sum(prompt_tokens)
-        headers = {
-            "x-kvguard-lease": claim.lease_id,
-            "x-kvguard-blocks": str(blocks),
-            "x-kvguard-prompt-tokens": str(prompt_total),
-        }
-        return Admitted(pool.name, reservation.lease, body, headers, prompt_total, blocks)
+        return reservation.lease

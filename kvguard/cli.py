@@ -36,9 +36,10 @@ def _check_config(path: str) -> int:
     )
     print(f"  tiers: {tiers}")
     for pool in built.pools.values():
-        cap = pool.capacity
+        cap = pool.static_capacity
         capacity = (
-            f"{cap.blocks} blocks of {cap.block_size} tokens, admits up to {pool.limit}"
+            f"{cap.blocks} blocks of {cap.block_size} tokens, "
+            f"admits up to {cap.limit(pool.config.watermark)}"
             if cap
             else f"discovered from {', '.join(pool.config.capacity.endpoints or [])}"
         )

@@ -20,6 +20,7 @@ import aiohttp
 import yaml
 
 from kvguard import config as configs
+from kvguard.capacity import PoolCapacity
 from kvguard.server import Service
 from kvguard.testing.envoy import SHIPPED_CONFIG, EnvoyProcess, render_envoy_config
 from kvguard.testing.upstream import RecordingUpstream
@@ -29,6 +30,7 @@ TOKENIZER = ROOT / ".cache" / "models" / "qwen"
 MODEL = "qwen2.5-7b-instruct"
 CAPACITY_BLOCKS = 520
 BLOCK_SIZE = 16
+LIMIT = PoolCapacity(CAPACITY_BLOCKS, BLOCK_SIZE).limit(0.15)
 
 DEMO_CONFIG: dict[str, Any] = {
     "server": {"grpc_listen": "127.0.0.1:0", "metrics_listen": ""},
@@ -48,7 +50,7 @@ DEMO_CONFIG: dict[str, Any] = {
             "models": [MODEL],
             "tokenizer": str(TOKENIZER),
             "max_model_len": 32768,
-            "watermark": 0.15,
+            "watermark": 0.15,  # LIMIT above uses the same
             "capacity": {"blocks": CAPACITY_BLOCKS, "block_size": BLOCK_SIZE},
         }
     ],
@@ -137,7 +139,7 @@ async def _run(requests_per_tenant: int) -> int:
             )
             print(
                 f"pool qwen: {CAPACITY_BLOCKS} blocks of {BLOCK_SIZE} tokens, watermark 0.15 "
-                f"(admits up to {service.policy.pools['qwen'].limit} blocks)\n"
+                f"(admits up to {LIMIT} blocks)\n"
             )
             return await _replay(service, upstream, envoy, requests_per_tenant)
         finally:
@@ -178,7 +180,7 @@ async def _replay(
     left = (await service.ledger.usage("qwen")).reserved
     print(
         f"\nledger peak: {peak[0]} of {CAPACITY_BLOCKS} blocks reserved "
-        f"(limit {service.policy.pools['qwen'].limit}); after the burst: {left}"
+        f"(limit {LIMIT}); after the burst: {left}"
     )
     return 0 if left == 0 else 1
 

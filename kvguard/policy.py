@@ -11,33 +11,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvguard.capacity import PoolCapacity
 from kvguard.config import Config, Pool, Tenancy, Tier
 from kvguard.errors import Code, Refusal
-from kvguard.estimate import pool_limit
 from kvguard.tokenizer import PoolTokenizer
-
-
-@dataclass(frozen=True, slots=True)
-class PoolCapacity:
-    blocks: int  # usable blocks across the pool's endpoints
-    block_size: int  # tokens per block
 
 
 @dataclass(frozen=True, slots=True)
 class PoolPolicy:
     config: Pool
     tokenizer: PoolTokenizer
-    capacity: PoolCapacity | None  # None until discovered
+    static_capacity: PoolCapacity | None  # None when capacity is discovered from endpoints
 
     @property
     def name(self) -> str:
         return self.config.name
-
-    @property
-    def limit(self) -> int:
-        """Most blocks that may be reserved in this pool (capacity minus the watermark)."""
-        assert self.capacity is not None
-        return pool_limit(self.capacity.blocks, self.config.watermark)
 
 
 @dataclass(frozen=True, slots=True)

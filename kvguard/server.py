@@ -9,6 +9,7 @@ import signal
 
 from kvguard import policy as policies
 from kvguard.admission import Admission, AdmissionSettings
+from kvguard.capacity import Capacities
 from kvguard.config import Config
 from kvguard.counting import PromptCounter
 from kvguard.extproc.server import GrpcServer
@@ -32,7 +33,11 @@ class Service:
         self.policy = policies.build(config)
         self.health.set("policy", True)
         self.health.set("tokenizers", True)
-        self.health.set("capacity", any(p.capacity for p in self.policy.pools.values()))
+        self.capacities = Capacities()
+        self.capacities.subscribe(lambda: self.health.set("capacity", self.capacities.any_known()))
+        for pool in self.policy.pools.values():
+            if pool.static_capacity is not None:
+                self.capacities.set(pool.name, pool.static_capacity)
         self.ledger = from_url(config.ledger.url)
         self.health.set("ledger", True)
         self.counter = PromptCounter()
@@ -40,7 +45,12 @@ class Service:
         self.admission = Admission(
             self.ledger,
             self.counter,
-            AdmissionSettings(config.server.max_body_bytes, config.ledger.lease_seconds),
+            self.capacities,
+            AdmissionSettings(
+                config.server.max_body_bytes,
+                config.ledger.lease_seconds,
+                config.ledger.on_unavailable,
+            ),
         )
         processor = ExternalProcessor(lambda: self.policy, self.admission, self.keeper)
         self.grpc = GrpcServer(

@@ -1,0 +1,52 @@
+"""The KV-cache capacity of each pool: static from the configuration, or discovered from vLLM.
+
+Capacity changes on its own clock (discovery refreshes it), so it lives here and not in the
+immutable policy snapshot; a decision reads it once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+from kvguard.estimate import pool_limit
+
+
+@dataclass(frozen=True, slots=True)
+class PoolCapacity:
+    blocks: int  # usable blocks across the pool's endpoints
+    block_size: int  # tokens per block
+
+    def limit(self, watermark: float) -> int:
+        """Most blocks that may be reserved while `watermark` of them stay free."""
+        return pool_limit(self.blocks, watermark)
+
+
+class Capacities:
+    """Pool name -> PoolCapacity; a pool without an entry has unknown capacity."""
+
+    def __init__(self) -> None:
+        self._by_pool: dict[str, PoolCapacity] = {}
+        self._listeners: list[Callable[[], None]] = []
+
+    def get(self, pool: str) -> PoolCapacity | None:
+        return self._by_pool.get(pool)
+
+    def set(self, pool: str, capacity: PoolCapacity | None) -> None:
+        if capacity is None:
+            self._by_pool.pop(pool, None)
+        else:
+            self._by_pool[pool] = capacity
+        for listener in self._listeners:
+            listener()
+
+    def retain(self, pools: Collection[str]) -> None:
+        """Forget pools that the policy no longer has."""
+        for pool in set(self._by_pool) - pools:
+            self.set(pool, None)
+
+    def any_known(self) -> bool:
+        return bool(self._by_pool)
+
+    def subscribe(self, listener: Callable[[], None]) -> None:
+        self._listeners.append(listener)
