@@ -42,7 +42,7 @@ class Capacities:
 
     def retain(self, pools: Collection[str]) -> None:
         """Forget pools that the policy no longer has."""
-        for pool in set(self._by_pool) - pools:
+        for pool in [p for p in self._by_pool if p not in pools]:
             self.set(pool, None)
 
     def any_known(self) -> bool:
