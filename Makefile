@@ -4,21 +4,22 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat requirements-dev.lock pyproject.toml | cksum | cut -d' ' -f1)
 MODELS := .cache/models/qwen/tokenizer.json .cache/models/llama3.2/tokenizer.json
+PROTO := kvguard/v1/admin_pb2.py
 
 .PHONY: demo test test-fast lint lock clean
 
 # The main job: Envoy + kvguard (memory ledger) + a local OpenAI-style upstream, one burst.
-demo: $(STAMP) $(MODELS)
+demo: $(STAMP) $(PROTO) $(MODELS)
 	$(BIN)/kvguard demo
 
 # Every test: unit, protocol, and integration with the real Envoy.
-test: $(STAMP) $(MODELS)
+test: $(STAMP) $(PROTO) $(MODELS)
 	$(BIN)/pytest
 
-test-fast: $(STAMP) $(MODELS)
+test-fast: $(STAMP) $(PROTO) $(MODELS)
 	$(BIN)/pytest -m "not integration and not live"
 
-lint: $(STAMP)
+lint: $(STAMP) $(PROTO)
 	$(BIN)/ruff check kvguard tests tools
 	$(BIN)/ruff format --check kvguard tests tools
 	$(BIN)/mypy
@@ -29,6 +30,11 @@ $(STAMP): requirements-dev.lock pyproject.toml
 	$(BIN)/python -m pip install --quiet --require-hashes -r requirements-dev.lock
 	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	rm -f $(VENV)/.installed-* && touch $@
+
+# kvguard's own API, generated from proto/ with grpcio-tools (the files are not committed).
+$(PROTO): proto/kvguard/v1/admin.proto | $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. $<
+	$(BIN)/buf lint
 
 $(MODELS): | $(STAMP)
 	$(BIN)/python tools/fetch_tokenizers.py .cache/models

@@ -47,6 +47,39 @@ class Admitted:
     would_refuse: Code | None = None
 
 
+@dataclass
+class Decision:
+    """What one request's decision found out, filled in as it goes: metrics, the span and the
+    log line are made from it. Never holds prompt text."""
+
+    request_id: str = ""
+    tenant: str = ""
+    tier: str = ""
+    pool: str = ""
+    prompt_tokens: int | None = None
+    blocks: int | None = None
+    outcome: str = "refused"  # admitted | refused | shadow_refused
+    reason: str = ""  # the refusal code; "" when admitted
+
+    def refused(self, code: Code) -> None:
+        self.outcome, self.reason = "refused", code.value
+
+    def attributes(self) -> dict[str, str | int]:
+        out: dict[str, str | int] = {
+            "request_id": self.request_id,
+            "tenant": self.tenant,
+            "tier": self.tier,
+            "pool": self.pool,
+            "outcome": self.outcome,
+            "reason": self.reason,
+        }
+        if self.prompt_tokens is not None:
+            out["prompt_tokens"] = self.prompt_tokens
+        if self.blocks is not None:
+            out["blocks"] = self.blocks
+        return out
+
+
 @dataclass(frozen=True, slots=True)
 class AdmissionSettings:
     max_body_bytes: int
@@ -71,18 +104,27 @@ class Admission:
         self.capacities = capacities
         self.settings = settings
 
-    async def decide(self, policy: Policy, kind: Kind, identity: Identity, raw: bytes) -> Admitted:
-        """Admit (a lease is held until `ledger.release`) or raise Refusal."""
+    async def decide(
+        self, policy: Policy, kind: Kind, identity: Identity, raw: bytes, decision: Decision
+    ) -> Admitted:
+        """Admit (a lease is held until `ledger.release`) or raise Refusal; `decision` records
+        what was found on the way, whichever way it ends."""
+        decision.tenant, decision.tier = identity.tenant, identity.tier_name
         try:
-            return await self._decide(policy, kind, identity, raw)
+            admitted = await self._decide(policy, kind, identity, raw, decision)
         except Refusal as refusal:
+            decision.refused(refusal.code)
             if not policy.shadow or refusal.code not in SHADOWABLE:
                 raise
-            return Admitted(
-                "", None, None, {"x-kvguard-would-refuse": refusal.code.value}, 0, 0, refusal.code
-            )
+            decision.outcome = "shadow_refused"
+            would_refuse = {"x-kvguard-would-refuse": refusal.code.value}
+            return Admitted(decision.pool, None, None, would_refuse, 0, 0, refusal.code)
+        decision.outcome, decision.reason = "admitted", ""
+        return admitted
 
-    async def _decide(self, policy: Policy, kind: Kind, identity: Identity, raw: bytes) -> Admitted:
+    async def _decide(
+        self, policy: Policy, kind: Kind, identity: Identity, raw: bytes, decision: Decision
+    ) -> Admitted:
         if len(raw) > self.settings.max_body_bytes:
             raise Refusal(
                 Code.REQUEST_TOO_LARGE,
@@ -94,6 +136,7 @@ class Admission:
             raise Refusal(
                 Code.MODEL_NOT_FOUND, f"the model {request.model!r} is not served here", "model"
             )
+        decision.pool = pool.name
         capacity = self.capacities.get(pool.name)
         if capacity is None:
             raise Refusal(
@@ -102,10 +145,12 @@ class Admission:
                 retry_after_s=RETRY_AFTER_S,
             )
         prompt_tokens = await self.counter.count(pool.tokenizer, request, len(raw))
+        decision.prompt_tokens = sum(prompt_tokens)
         limits = clamp(
             kind, request.limits, identity.tier, pool.config.max_model_len, max(prompt_tokens)
         )
         blocks = blocks_needed(prompt_tokens, limits.max_tokens, request.n, capacity.block_size)
+        decision.blocks = blocks
         quota = identity.tier.max_blocks
         pool_limit = capacity.limit(pool.config.watermark)
         if blocks > quota or blocks > pool_limit:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
+from pathlib import Path
 
 from kvguard import config as configs
+from kvguard import logs
 
 
 def _check_config(path: str) -> int:
@@ -62,8 +63,9 @@ def _serve(path: str) -> int:
 
     from kvguard.server import serve
 
+    logs.configure(config.server.log_level)
     try:
-        uvloop.run(serve(config))
+        uvloop.run(serve(config, Path(path)))
     except (OSError, ValueError) as exc:  # a port taken, a tokenizer or ledger URL unusable
         print(f"error: {path}: {exc}", file=sys.stderr)
         return 1
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     demo = commands.add_parser("demo", help="Envoy + kvguard + a local upstream, one burst")
     demo.add_argument("--requests", type=int, default=24, help="requests per tenant")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logs.configure("info", json=False)  # `serve` switches to JSON at its configured level
     if args.command == "serve":
         return _serve(args.config)
     if args.command == "check-config":

@@ -36,6 +36,7 @@ class ServerSettings(_Strict):
     drain_seconds: Annotated[float, Field(ge=0)] = 30.0
     otlp_endpoint: str = ""
     admin: bool = False
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 
 class LedgerSettings(_Strict):
@@ -100,11 +101,13 @@ class Tenancy(_Strict):
 
 
 class Capacity(_Strict):
-    """Static (`blocks` usable blocks of `block_size` tokens) or discovered (`endpoints`)."""
+    """Static (`blocks` usable blocks of `block_size` tokens) or discovered (`endpoints`, the
+    base URLs of the pool's vLLM servers, whose /metrics are read every `refresh_seconds`)."""
 
     blocks: PositiveInt | None = None
     block_size: PositiveInt | None = None
     endpoints: list[str] | None = None
+    refresh_seconds: Annotated[float, Field(gt=0, le=3600)] = 10.0
 
     @model_validator(mode="after")
     def _one_source(self) -> Capacity:
@@ -113,6 +116,11 @@ class Capacity(_Strict):
             raise ValueError("give either blocks and block_size, or endpoints, not both")
         if not self.endpoints and (self.blocks is None or self.block_size is None):
             raise ValueError("blocks and block_size are both required without endpoints")
+        if not self.endpoints and "refresh_seconds" in self.model_fields_set:
+            raise ValueError("refresh_seconds: applies only to discovered capacity (endpoints)")
+        for i, url in enumerate(self.endpoints or []):
+            if not re.fullmatch(r"https?://[^/\s]+(/\S*)?", url):
+                raise ValueError(f"endpoints[{i}]: {url!r} is not an http:// or https:// URL")
         return self
 
 
@@ -196,7 +204,8 @@ def parse(text: str, source: str, environ: dict[str, str] | None = None) -> Conf
             key, message = nested.groups()
             location = key if location == "(top level)" else f"{location}.{key}"
         raise ConfigError(f"{source}: {location}: {message}") from None
-    base = Path(source).resolve().parent
+    # The folder as named, not resolved: a ConfigMap's file is a symlink into a versioned folder.
+    base = Path(os.path.abspath(source)).parent
     return config.model_copy(update={"pools": [_resolve_paths(p, base) for p in config.pools]})
 
 

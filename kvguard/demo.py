@@ -117,7 +117,7 @@ async def _run(requests_per_tenant: int) -> int:
         path = workdir / "kvguard.yaml"
         path.write_text(yaml.safe_dump(DEMO_CONFIG, sort_keys=False))
         service = Service(configs.load(path, environ={}))
-        await service.grpc.start()
+        await service.start()
         upstream = RecordingUpstream(token_delay=0.002)
         await upstream.start()
         envoy = EnvoyProcess(
@@ -145,7 +145,7 @@ async def _run(requests_per_tenant: int) -> int:
         finally:
             await envoy.stop()
             await upstream.stop()
-            await service.grpc.stop(0)
+            await service.stop(0)
 
 
 async def _replay(

@@ -6,38 +6,72 @@ import asyncio
 import contextlib
 import logging
 import signal
+from pathlib import Path
 
+from kvguard import config as configs
 from kvguard import policy as policies
+from kvguard import telemetry
 from kvguard.admission import Admission, AdmissionSettings
 from kvguard.capacity import Capacities
 from kvguard.config import Config
 from kvguard.counting import PromptCounter
+from kvguard.extproc.admin import AdminService
 from kvguard.extproc.server import GrpcServer
 from kvguard.extproc.service import ExternalProcessor
 from kvguard.health import Health
 from kvguard.leases import LeaseKeeper
 from kvguard.ledger.url import from_url
+from kvguard.metrics import Metrics
+from kvguard.reload import PolicyWatcher
 
 log = logging.getLogger(__name__)
 
 # Envoy may buffer up to its own limit, above max_body_bytes, so that kvguard answers 413.
 MIN_GRPC_MESSAGE_BYTES = 64 * 1024 * 1024
+# A policy change applies within this (DESIGN.md promises 5 s).
+RELOAD_INTERVAL_S = 1.0
+# On drain, how long readiness reads NOT_SERVING before new streams are refused (Envoy's health
+# check interval in envoy/envoy.yaml is 1 s).
+DRAIN_NOTICE_S = 1.0
+# How often the gauges' view of the shared ledger is refreshed.
+VIEW_REFRESH_S = 1.0
 
 
 class Service:
-    """One kvguard process: policy, ledger, admission and the gRPC server around them."""
+    """One kvguard process: policy, ledger, admission and the gRPC server around them.
 
-    def __init__(self, config: Config) -> None:
+    `config_path`, when given, is watched for policy changes (hot reload).
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        config_path: Path | None = None,
+        providers: telemetry.Providers | None = None,
+        reload_interval_s: float = RELOAD_INTERVAL_S,
+    ) -> None:
         self.config = config
+        self.providers = providers or telemetry.setup(config.server)
+        self.metrics = Metrics(self.providers.meter_provider)
+        self.telemetry = telemetry.Telemetry(self.metrics, self.providers.tracer_provider)
         self.health = Health(ledger_required=config.ledger.on_unavailable == "reject")
-        self.policy = policies.build(config)
-        self.health.set("policy", True)
-        self.health.set("tokenizers", True)
+        self._tokenizers: policies.TokenizerCache = {}
         self.capacities = Capacities()
         self.capacities.subscribe(lambda: self.health.set("capacity", self.capacities.any_known()))
-        for pool in self.policy.pools.values():
-            if pool.static_capacity is not None:
-                self.capacities.set(pool.name, pool.static_capacity)
+        self.publish(policies.build(config, self._tokenizers))
+        self.health.set("tokenizers", True)
+        self._watcher = None
+        if config_path is not None:
+            self._watcher = PolicyWatcher(
+                config_path,
+                self._load,
+                self.publish,
+                self.metrics.record_reload,
+                reload_interval_s,
+            )
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
         self.ledger = from_url(config.ledger.url)
         self.health.set("ledger", True)
         self.counter = PromptCounter()
@@ -52,37 +86,96 @@ class Service:
                 config.ledger.on_unavailable,
             ),
         )
-        processor = ExternalProcessor(lambda: self.policy, self.admission, self.keeper)
+        processor = ExternalProcessor(
+            lambda: self.policy, self.admission, self.keeper, self.telemetry
+        )
         self.grpc = GrpcServer(
             config.server.grpc_listen,
             processor,
             self.health,
             max(MIN_GRPC_MESSAGE_BYTES, 2 * config.server.max_body_bytes),
+            AdminService(lambda: self.policy, self.ledger, self.capacities)
+            if config.server.admin
+            else None,
         )
 
-    async def run(self, stop: asyncio.Event) -> None:
+    def publish(self, policy: policies.Policy) -> None:
+        """Make `policy` the one new requests read; requests in flight keep theirs."""
+        self.policy = policy
+        self.health.set("policy", True)
+        self.capacities.retain(set(policy.pools))
+        for pool in policy.pools.values():
+            if pool.static_capacity is not None:
+                self.capacities.set(pool.name, pool.static_capacity)
+
+    def _load(self, path: Path) -> policies.Policy:
+        """Read and build a changed configuration (in a worker thread)."""
+        config = configs.load(path)
+        for section in ("server", "ledger"):
+            if getattr(config, section) != getattr(self.config, section):
+                log.warning("%s: the %s section changed; a restart applies it", path, section)
+        return policies.build(config, self._tokenizers)
+
+    async def start(self) -> None:
         await self.grpc.start()
         host = self.config.server.grpc_listen.rsplit(":", 1)[0]
         log.info("kvguard serving ext_proc and health on %s:%d", host, self.grpc.port)
-        renewals = asyncio.create_task(self.keeper.renew_forever())
+        jobs = [self.keeper.renew_forever(), self._refresh_view()]
+        if self._watcher is not None:
+            jobs.append(self._watcher.run())
+        self._tasks = [asyncio.create_task(job) for job in jobs]
+
+    async def stop(self, grace_s: float) -> None:
+        """Turn unready at once, give open streams `grace_s`, release every lease, close."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self.health.set("draining", True)
         try:
-            await stop.wait()
-            log.info("draining: not ready, open streams get %ss", self.config.server.drain_seconds)
-            self.health.set("draining", True)
-            await self.grpc.stop(self.config.server.drain_seconds)
+            # Keep answering a moment, NOT_SERVING, so health checks see it before refusals.
+            await asyncio.sleep(min(DRAIN_NOTICE_S, grace_s))
+            await self.grpc.stop(max(grace_s - DRAIN_NOTICE_S, 0))
+            open_leases = self.keeper.open_leases
             await self.keeper.release_all()
+            log.info("drained; %d leases still open were released", open_leases)
         finally:
-            renewals.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await renewals
+            for task in self._tasks:
+                task.cancel()
+            for task in self._tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             self.counter.close()
             await self.ledger.close()
+            self.providers.shutdown()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.start()
+        await stop.wait()
+        log.info("draining: not ready, open streams get %ss", self.config.server.drain_seconds)
+        await self.stop(self.config.server.drain_seconds)
         log.info("kvguard stopped")
 
+    async def _refresh_view(self) -> None:
+        """Keep the gauges' view of the ledger and capacities current (the ledger is shared)."""
+        view = self.metrics.view
+        while True:
+            for name in list(self.policy.pools):
+                capacity = self.capacities.get(name)
+                if capacity is not None:
+                    view.capacity[name] = capacity.blocks
+                try:
+                    usage = await self.ledger.usage(name)
+                except Exception:
+                    self.metrics.record_ledger_error()
+                    continue
+                view.reserved[name] = usage.reserved
+                view.tenants[name] = usage.tenants
+            await asyncio.sleep(VIEW_REFRESH_S)
 
-async def serve(config: Config) -> None:
+
+async def serve(config: Config, config_path: Path) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await Service(config).run(stop)
+    await Service(config, config_path=config_path).run(stop)

@@ -9,8 +9,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_gr
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from kvguard.extproc.admin import AdminService
 from kvguard.extproc.service import ExternalProcessor
 from kvguard.health import Health
+from kvguard.v1 import admin_pb2_grpc
 
 # Health service names: "" and the ext_proc service mean "ready to admit"; "liveness" means
 # "the process serves at all", so an outage never restart-loops kvguard.
@@ -24,7 +26,12 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 class GrpcServer:
     def __init__(
-        self, listen: str, processor: ExternalProcessor, health: Health, max_message_bytes: int
+        self,
+        listen: str,
+        processor: ExternalProcessor,
+        health: Health,
+        max_message_bytes: int,
+        admin: AdminService | None = None,
     ) -> None:
         self._server = grpc.aio.server(
             options=[
@@ -33,6 +40,8 @@ class GrpcServer:
             ]
         )
         ext_proc_grpc.add_ExternalProcessorServicer_to_server(processor, self._server)
+        if admin is not None:
+            admin_pb2_grpc.add_AdminServiceServicer_to_server(admin, self._server)  # type: ignore[no-untyped-call]
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self.port = self._server.add_insecure_port(listen)

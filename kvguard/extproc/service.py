@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from envoy.config.core.v3.base_pb2 import HeaderMap
@@ -21,13 +21,14 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
     ProcessingResponse,
 )
 
-from kvguard.admission import Admission
+from kvguard.admission import Admission, Decision
 from kvguard.errors import Code, Refusal, invalid
 from kvguard.extproc import responses
 from kvguard.leases import LeaseKeeper
 from kvguard.ledger import Lease
 from kvguard.policy import Identity, Policy, identify_request
 from kvguard.request import Kind, guarded_kind
+from kvguard.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +41,11 @@ class _Exchange:
 
     policy: Policy
     kind: Kind | None = None
+    headers: dict[str, str] = field(default_factory=dict)
     identity: Identity | None = None
-    request_id: str = ""
     upstream_status: int | None = None
+    decision: Decision = field(default_factory=Decision)
+    recorded: bool = False  # the decision has been counted and logged
 
 
 def _headers(header_map: HeaderMap) -> dict[str, str]:
@@ -54,11 +57,16 @@ def _headers(header_map: HeaderMap) -> dict[str, str]:
 
 class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(
-        self, policy: Callable[[], Policy], admission: Admission, keeper: LeaseKeeper
+        self,
+        policy: Callable[[], Policy],
+        admission: Admission,
+        keeper: LeaseKeeper,
+        telemetry: Telemetry,
     ) -> None:
         self._policy = policy
         self._admission = admission
         self._keeper = keeper
+        self._telemetry = telemetry
 
     async def Process(
         self,
@@ -90,10 +98,10 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
                 self._keeper.release(lease)
 
     def _on_request_headers(self, exchange: _Exchange, message: HttpHeaders) -> ProcessingResponse:
-        headers = _headers(message.headers)
+        headers = exchange.headers = _headers(message.headers)
         remove = [name for name in headers if name.startswith(KVGUARD_HEADER_PREFIX)]
         exchange.kind = guarded_kind(headers.get(":path", ""))
-        exchange.request_id = headers.get("x-request-id", "")
+        exchange.decision.request_id = headers.get("x-request-id", "")
         if exchange.kind is None:
             return responses.request_headers(remove, guarded=False)
         exchange.identity = identify_request(exchange.policy, headers)
@@ -106,17 +114,33 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
     ) -> tuple[ProcessingResponse, Lease | None]:
         if exchange.kind is None or exchange.identity is None:
             return responses.continue_response("request_body"), None
-        admitted = await self._admission.decide(
-            exchange.policy, exchange.kind, exchange.identity, message.body
-        )
+        exchange.recorded = True
+        with self._telemetry.deciding(exchange.decision, exchange.headers):
+            try:
+                admitted = await self._admission.decide(
+                    exchange.policy,
+                    exchange.kind,
+                    exchange.identity,
+                    message.body,
+                    exchange.decision,
+                )
+            except Refusal:
+                raise
+            except Exception:
+                exchange.decision.refused(Code.INTERNAL_ERROR)
+                raise
         if admitted.lease is not None:
             self._keeper.hold(admitted.lease)
         return responses.admitted_body(admitted.body, admitted.headers), admitted.lease
 
     def _answer_error(self, exchange: _Exchange, exc: Exception) -> ProcessingResponse:
         if not isinstance(exc, Refusal):
-            log.exception("internal error deciding request %s", exchange.request_id)
+            log.exception("internal error deciding request %s", exchange.decision.request_id)
             exc = Refusal(Code.INTERNAL_ERROR, "kvguard failed to decide this request")
+        if not exchange.recorded:  # refused before the body: count and log it here
+            exchange.recorded = True
+            exchange.decision.refused(exc.code)
+            self._telemetry.record(exchange.decision)
         return responses.refusal(exc)
 
 

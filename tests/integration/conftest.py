@@ -63,7 +63,7 @@ async def wait_until(predicate: Callable[[], Awaitable[bool]], timeout: float = 
 async def gateway(tmp_path: Path, **config: Any) -> AsyncIterator[Gateway]:
     path = write_config(tmp_path, kvguard_config(**config))
     service = Service(configs.load(path, environ={}))
-    await service.grpc.start()
+    await service.start()
     upstream = RecordingUpstream()
     await upstream.start()
     rendered = render_envoy_config(
@@ -82,5 +82,5 @@ async def gateway(tmp_path: Path, **config: Any) -> AsyncIterator[Gateway]:
     finally:
         await envoy.stop()
         await upstream.stop()
-        await service.grpc.stop(0)
+        await service.stop(0)
         await service.keeper.settle()

@@ -118,3 +118,59 @@ async def test_serve_admits_through_envoy_and_exits_0_on_sigterm(tmp_path: Path)
             await process.wait()
         await upstream.stop()
         log.close()
+
+
+async def test_sigterm_drains_open_streams_then_exits_0(tmp_path: Path) -> None:
+    port = free_port()
+    path = write_config(tmp_path, kvguard_config(grpc_port=port, drain_seconds=20))
+    log_path = tmp_path / "kvguard.log"
+    log = log_path.open("wb")
+    process = await asyncio.create_subprocess_exec(
+        *kvguard("serve", "--config", str(path)), stdout=log, stderr=log
+    )
+    upstream = RecordingUpstream()
+    await upstream.start()
+    try:
+        deadline = time.monotonic() + 30
+        while await _health(port) != health_pb2.HealthCheckResponse.SERVING:
+            assert process.returncode is None, log_path.read_text()
+            assert time.monotonic() < deadline, "kvguard did not become ready"
+            await asyncio.sleep(0.1)
+        rendered = render_envoy_config(
+            SHIPPED_CONFIG,
+            listen_port=0,
+            admin_port=0,
+            kvguard_port=port,
+            upstream_port=upstream.port,
+        )
+        async with EnvoyProcess(rendered, tmp_path) as envoy, aiohttp.ClientSession() as http:
+            await envoy.wait_cluster_healthy("kvguard")
+            slow = asyncio.create_task(
+                _post(http, envoy.url, {"x-tenant-id": "acme", "x-test-delay": "3"})
+            )
+            await upstream.wait_for_requests(1, timeout=10)
+            process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 5
+            while await _health(port) != health_pb2.HealthCheckResponse.NOT_SERVING:
+                assert time.monotonic() < deadline, "readiness did not turn NOT_SERVING"
+                await asyncio.sleep(0.02)
+            assert await _health(port, "liveness") == health_pb2.HealthCheckResponse.SERVING
+            assert await slow == 200  # the stream in flight finished within the grace period
+        assert await asyncio.wait_for(process.wait(), 30) == 0
+        text = log_path.read_text()
+        assert "drained; 0 leases still open were released" in text
+        assert "kvguard stopped" in text
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+        await upstream.stop()
+        log.close()
+
+
+async def _post(http: aiohttp.ClientSession, url: str, headers: dict[str, str]) -> int:
+    async with http.post(
+        url + "/v1/completions", json={"model": "qwen", "prompt": "Hi"}, headers=headers
+    ) as response:
+        await response.read()
+        return response.status

@@ -1,0 +1,111 @@
+"""Metrics, traces and decision logs, set up once per process and fed one decision at a time.
+
+A decision becomes: one `kvguard_admissions_total` increment, one span (a child of the W3C trace
+context Envoy forwards, when there is one) and one JSON log line. None of them ever carries
+prompt text or credentials.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.exporter.prometheus import PrometheusMetricReader
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from prometheus_client import CollectorRegistry, start_http_server
+
+from kvguard import __version__
+from kvguard.admission import Decision
+from kvguard.config import ServerSettings
+from kvguard.metrics import Metrics
+
+log = logging.getLogger("kvguard.decision")
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+class Telemetry:
+    def __init__(self, metrics: Metrics, tracer_provider: trace.TracerProvider | None = None):
+        self.metrics = metrics
+        provider = tracer_provider or trace.NoOpTracerProvider()
+        self._tracer = provider.get_tracer("kvguard", __version__)
+
+    @contextmanager
+    def deciding(self, decision: Decision, headers: Mapping[str, str]) -> Iterator[None]:
+        """Time, trace and record the decision made inside the block (admitted or refused)."""
+        start = time.perf_counter()
+        parent = _PROPAGATOR.extract(dict(headers))
+        with self._tracer.start_as_current_span(
+            "kvguard.decision", context=parent, kind=trace.SpanKind.SERVER
+        ) as span:
+            try:
+                yield
+            finally:
+                span.set_attributes(decision.attributes())
+                self.record(decision, time.perf_counter() - start)
+
+    def record(self, decision: Decision, duration_s: float | None = None) -> None:
+        """Count and log one final decision."""
+        self.metrics.record_decision(
+            pool=decision.pool,
+            tier=decision.tier,
+            outcome=decision.outcome,
+            reason=decision.reason,
+            duration_s=duration_s,
+            prompt_tokens=decision.prompt_tokens,
+        )
+        fields: dict[str, Any] = decision.attributes()
+        if duration_s is not None:
+            fields["duration_ms"] = round(duration_s * 1000, 3)
+        log.info("decision", extra=fields)
+
+
+@dataclass
+class Providers:
+    """The process's OpenTelemetry providers and the exposition they feed."""
+
+    meter_provider: MeterProvider
+    tracer_provider: TracerProvider | None
+    metrics_port: int | None  # the Prometheus endpoint's port, when enabled
+    _http: Any = None
+
+    def shutdown(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+        self.meter_provider.shutdown()
+        if self.tracer_provider is not None:
+            self.tracer_provider.shutdown()
+
+
+def setup(settings: ServerSettings) -> Providers:
+    """Prometheus exposition at metrics_listen, OTLP (gRPC) to otlp_endpoint, when set."""
+    resource = Resource.create({"service.name": "kvguard", "service.version": __version__})
+    readers: list[MetricReader] = []
+    port, server = None, None
+    if settings.metrics_listen:
+        registry = CollectorRegistry()
+        # No otel_scope_* labels: the series carry exactly the documented labels.
+        readers.append(PrometheusMetricReader(scope_info_enabled=False, registry=registry))
+        host, _, wanted = settings.metrics_listen.rpartition(":")
+        server, _ = start_http_server(int(wanted), addr=host or "0.0.0.0", registry=registry)
+        port = int(server.server_address[1])
+    tracer_provider = None
+    if settings.otlp_endpoint:
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        readers.append(PeriodicExportingMetricReader(OTLPMetricExporter(settings.otlp_endpoint)))
+        tracer_provider = TracerProvider(resource=resource)
+        tracer_provider.add_span_processor(
+            BatchSpanProcessor(OTLPSpanExporter(settings.otlp_endpoint))
+        )
+    return Providers(MeterProvider(readers, resource=resource), tracer_provider, port, server)
