@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import socket
 import sys
@@ -19,6 +20,8 @@ from kvguard.testing.upstream import RecordingUpstream
 from tests.conftest import kvguard_config, write_config
 
 pytestmark = pytest.mark.integration
+
+PROMPT = "The quartermaster's private memo"
 
 
 def free_port() -> int:
@@ -160,6 +163,11 @@ async def test_sigterm_drains_open_streams_then_exits_0(tmp_path: Path) -> None:
         text = log_path.read_text()
         assert "drained; 0 leases still open were released" in text
         assert "kvguard stopped" in text
+        records = [json.loads(line) for line in text.splitlines()]  # every line is JSON
+        (decision,) = [r for r in records if r["message"] == "decision"]
+        assert decision["tenant"] == "acme" and decision["outcome"] == "admitted"
+        assert decision["request_id"]  # Envoy's x-request-id
+        assert PROMPT not in text
     finally:
         if process.returncode is None:
             process.kill()
@@ -170,7 +178,7 @@ async def test_sigterm_drains_open_streams_then_exits_0(tmp_path: Path) -> None:
 
 async def _post(http: aiohttp.ClientSession, url: str, headers: dict[str, str]) -> int:
     async with http.post(
-        url + "/v1/completions", json={"model": "qwen", "prompt": "Hi"}, headers=headers
+        url + "/v1/completions", json={"model": "qwen", "prompt": PROMPT}, headers=headers
     ) as response:
         await response.read()
         return response.status
