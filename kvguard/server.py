@@ -146,7 +146,8 @@ class Service:
                     await task
             self.counter.close()
             await self.ledger.close()
-            self.providers.shutdown()
+            # Off the loop: the final export may wait on the network.
+            await asyncio.to_thread(self.providers.shutdown)
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.start()
