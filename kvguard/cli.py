@@ -59,13 +59,34 @@ def _serve(path: str) -> int:
     except configs.ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    logs.configure(config.server.log_level)
+    if config.server.workers == 1:
+        return _serve_worker(config, Path(path))
+    from kvguard.workers import supervise
+
+    return supervise(
+        config.server.workers, lambda i: _serve_worker(_for_worker(config, i), Path(path))
+    )
+
+
+def _for_worker(config: configs.Config, index: int) -> configs.Config:
+    """Worker `index` serves Prometheus on metrics_listen's port + index (ports can't be shared:
+    a scrape must see one process's counters)."""
+    host, _, port = config.server.metrics_listen.rpartition(":")
+    if not config.server.metrics_listen or port == "0":
+        return config
+    server = config.server.model_copy(update={"metrics_listen": f"{host}:{int(port) + index}"})
+    return config.model_copy(update={"server": server})
+
+
+def _serve_worker(config: configs.Config, path: Path) -> int:
+    # Imported here, after any fork: gRPC, its threads and the tokenizers must start fresh.
     import uvloop
 
     from kvguard.server import serve
 
-    logs.configure(config.server.log_level)
     try:
-        uvloop.run(serve(config, Path(path)))
+        uvloop.run(serve(config, path))
     except (OSError, ValueError) as exc:  # a port taken, a tokenizer or ledger URL unusable
         print(f"error: {path}: {exc}", file=sys.stderr)
         return 1

@@ -37,6 +37,7 @@ class ServerSettings(_Strict):
     otlp_endpoint: str = ""
     admin: bool = False
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    workers: Annotated[int, Field(strict=True, ge=1, le=64)] = 1
 
 
 class LedgerSettings(_Strict):
@@ -124,6 +125,18 @@ class Capacity(_Strict):
         return self
 
 
+# Content-part types a pool may give a token cost (vLLM's media parts, as a request names them).
+MEDIA_PART_TYPES = (
+    "audio_embeds",
+    "audio_url",
+    "image_embeds",
+    "image_url",
+    "input_audio",
+    "input_image",
+    "video_url",
+)
+
+
 class Pool(_Strict):
     name: str
     models: list[str] = Field(min_length=1)
@@ -132,6 +145,17 @@ class Pool(_Strict):
     max_model_len: PositiveInt
     watermark: Annotated[float, Field(ge=0, lt=1)] = 0.15
     capacity: Capacity
+    media_tokens: dict[str, PositiveInt] = {}  # tokens counted per media part of that type
+
+    @model_validator(mode="after")
+    def _known_media_parts(self) -> Pool:
+        for kind in self.media_tokens:
+            if kind not in MEDIA_PART_TYPES:
+                raise ValueError(
+                    f"media_tokens.{kind}: not a media content part type; "
+                    f"use one of {', '.join(MEDIA_PART_TYPES)}"
+                )
+        return self
 
 
 class Config(_Strict):
@@ -140,6 +164,15 @@ class Config(_Strict):
     tenancy: Tenancy = Tenancy()
     shadow: bool = False
     pools: list[Pool] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _workers_share_a_ledger(self) -> Config:
+        if self.server.workers > 1 and self.ledger.url.startswith("memory://"):
+            raise ValueError(
+                "server.workers: several worker processes need a shared ledger (redis://); "
+                "memory:// lives in one process"
+            )
+        return self
 
     @model_validator(mode="after")
     def _unique_names(self) -> Config:

@@ -32,11 +32,15 @@ class GrpcServer:
         health: Health,
         max_message_bytes: int,
         admin: AdminService | None = None,
+        *,
+        reuse_port: bool = False,
     ) -> None:
         self._server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes),
+                # Only workers share a port; otherwise a second process must fail to bind.
+                ("grpc.so_reuseport", 1 if reuse_port else 0),
             ]
         )
         ext_proc_grpc.add_ExternalProcessorServicer_to_server(processor, self._server)
@@ -44,7 +48,10 @@ class GrpcServer:
             admin_pb2_grpc.add_AdminServiceServicer_to_server(admin, self._server)  # type: ignore[no-untyped-call]
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        self.port = self._server.add_insecure_port(listen)
+        try:
+            self.port = self._server.add_insecure_port(listen)
+        except RuntimeError:  # grpc's way of saying the address is taken or invalid
+            self.port = 0
         if self.port == 0:
             raise OSError(f"cannot listen on {listen}")
         self._state = health

@@ -182,3 +182,24 @@ async def _post(http: aiohttp.ClientSession, url: str, headers: dict[str, str]) 
     ) as response:
         await response.read()
         return response.status
+
+
+async def test_a_second_process_on_a_taken_port_fails_to_start(tmp_path: Path) -> None:
+    port = free_port()
+    path = write_config(tmp_path, kvguard_config(grpc_port=port))
+    first = await asyncio.create_subprocess_exec(
+        *kvguard("serve", "--config", str(path)),
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while await _health(port) != health_pb2.HealthCheckResponse.SERVING:
+            assert first.returncode is None and time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+        code, _, err = await run("serve", "--config", str(path))
+        assert code == 1
+        assert f"error: {path}: cannot listen on 127.0.0.1:{port}" in err
+    finally:
+        first.terminate()
+        await first.wait()
