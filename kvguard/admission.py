@@ -144,7 +144,13 @@ class Admission:
                 f"the KV-cache capacity of pool {pool.name!r} is not known yet",
                 retry_after_s=RETRY_AFTER_S,
             )
-        prompt_tokens = await self.counter.count(pool.tokenizer, request, len(raw))
+        prompt_tokens = await self.counter.count(
+            pool.tokenizer,
+            request,
+            len(raw),
+            media_tokens=pool.config.media_tokens,
+            max_model_len=pool.config.max_model_len,
+        )
         decision.prompt_tokens = sum(prompt_tokens)
         limits = clamp(
             kind, request.limits, identity.tier, pool.config.max_model_len, max(prompt_tokens)

@@ -1,15 +1,12 @@
-"""Chat requests normalised as vLLM's OpenAI server normalises them, before templating.
-
-Messages follow vLLM's `parse_chat_messages` (vllm/entrypoints/chat_utils.py); template
-arguments are merged as `ChatCompletionRequest.build_chat_params` and
-`OnlineRenderer.preprocess_chat` merge them (vllm/renderers/params.py).
+"""Chat messages and tools normalised as vLLM's OpenAI server normalises them, before
+templating: vLLM's `parse_chat_messages` (vllm/entrypoints/chat_utils.py) and
+`ChatCompletionToolsParam`. The template arguments are merged in kvguard.chat_arguments.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from kvguard.chat_template import ContentFormat
@@ -37,33 +34,10 @@ _MEDIA_PARTS = (
     "video_url",
     "prompt_embeds",
 )
-_REASONING_EFFORTS = frozenset({"none", "minimal", "low", "medium", "high", "xhigh", "max"})
-# apply_chat_template's own parameters: it consumes them, the template never sees them.
-_CALL_PARAMETERS = (
-    "chat_template",
-    "tokenize",
-    "padding",
-    "truncation",
-    "max_length",
-    "return_tensors",
-    "return_dict",
-    "tokenizer_kwargs",
-    "sanitize_control_tokens",
-    "return_assistant_tokens_mask",
-)
 _FUNCTION_FIELDS = frozenset({"name", "description", "parameters", "defer_loading"})
 # pydantic's lax bool, which vLLM's request model uses.
 _TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
 _FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
-
-
-@dataclass(frozen=True)
-class TemplateArguments:
-    tools: list[Any] | None
-    documents: list[Any] | None
-    add_generation_prompt: bool
-    continue_final_message: bool
-    variables: dict[str, Any]
 
 
 def lax_bool(value: object, field: str) -> bool:
@@ -74,71 +48,6 @@ def lax_bool(value: object, field: str) -> bool:
     if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
         return value.lower() in _TRUE
     raise TokenizerError(f"{field} must be a boolean")
-
-
-def _unset(value: object) -> bool:
-    # vLLM's merge_kwargs drops these when it merges (renderers/params.py).
-    return value is None or (isinstance(value, str) and value == "auto")
-
-
-def template_arguments(request: Mapping[str, Any], tools: list[Any] | None) -> TemplateArguments:
-    kwargs = request.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise TokenizerError("chat_template_kwargs must be an object")
-    if request.get("chat_template") is not None or kwargs.get("chat_template") is not None:
-        raise TokenizerError(
-            "a chat template sent with the request is refused "
-            "(vLLM accepts one only with --trust-request-chat-template)"
-        )
-    add_generation_prompt = lax_bool(
-        request.get("add_generation_prompt", True), "add_generation_prompt"
-    )
-    continue_final = lax_bool(
-        request.get("continue_final_message", False), "continue_final_message"
-    )
-    if add_generation_prompt and continue_final:
-        raise TokenizerError(
-            "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
-        )
-    effort = request.get("reasoning_effort")
-    if effort is not None and not (isinstance(effort, str) and effort in _REASONING_EFFORTS):
-        raise TokenizerError(f"reasoning_effort must be one of {sorted(_REASONING_EFFORTS)}")
-    extra: dict[str, Any] = {
-        "add_generation_prompt": add_generation_prompt,
-        "continue_final_message": continue_final,
-        "documents": request.get("documents"),
-        "reasoning_effort": effort,
-    }
-    if effort is not None and "enable_thinking" not in kwargs:
-        extra["enable_thinking"] = effort != "none"
-    # build_chat_params: the request's own fields override chat_template_kwargs, which in turn
-    # override the request's tools (preprocess_chat's defaults).
-    inner = kwargs | {k: v for k, v in extra.items() if not _unset(v)}
-    merged = ({} if tools is None else {"tools": tools}) | {
-        k: v for k, v in inner.items() if not _unset(v)
-    }
-    if (
-        "conversation" in merged
-        or merged.get("sanitize_control_tokens")
-        or merged.get("return_assistant_tokens_mask")
-    ):
-        raise TokenizerError(
-            "chat_template_kwargs sets an apply_chat_template option that "
-            "fails without tokenization"
-        )
-    for key in _CALL_PARAMETERS:
-        merged.pop(key, None)
-    tools, documents = merged.pop("tools", None), merged.pop("documents", None)
-    for name, value in (("tools", tools), ("documents", documents)):
-        if value is not None and not isinstance(value, list):
-            raise TokenizerError(f"{name} must be an array")
-    return TemplateArguments(
-        tools,
-        documents,
-        bool(merged.pop("add_generation_prompt")),
-        bool(merged.pop("continue_final_message")),
-        merged,
-    )
 
 
 def normalise_tools(tools: object) -> list[Any] | None:
@@ -189,14 +98,22 @@ def normalise_tools(tools: object) -> list[Any] | None:
     return out
 
 
-def normalise_messages(messages: list[Any], fmt: ContentFormat) -> list[dict[str, Any]]:
-    """vLLM's `_parse_chat_message_content` and `_postprocess_messages`, on copies."""
-    out = []
+def normalise_messages(
+    messages: list[Any], fmt: ContentFormat, media_tokens: Mapping[str, int] | None = None
+) -> tuple[list[dict[str, Any]], int]:
+    """vLLM's `_parse_chat_message_content` and `_postprocess_messages`, on copies; and the
+    tokens declared for their media parts (`media_tokens`: per part type; others are refused).
+
+    Media parts reach an "openai" template as vLLM passes them ({"type": "image"} …); a
+    "string" template gets vLLM's model-specific placeholders, which the declared cost covers.
+    """
+    out: list[dict[str, Any]] = []
+    costs: list[int] = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise TokenizerError(f"messages[{i}] must be an object with a string 'role'")
         role = message["role"]
-        parts = _content_parts(message.get("content"), i, fmt)
+        parts = _content_parts(message.get("content"), i, fmt, media_tokens or {}, costs)
         msg: dict[str, Any] = {
             "role": role,
             "content": parts if fmt == "openai" else "\n".join(parts),
@@ -222,11 +139,14 @@ def normalise_messages(messages: list[Any], fmt: ContentFormat) -> list[dict[str
         if role == "developer":
             msg["tools"] = message.get("tools")
         out.append(msg)
-    return out
+    return out, sum(costs)
 
 
-def _content_parts(content: object, i: int, fmt: ContentFormat) -> list[Any]:
-    """Text parts: strings for the "string" format (joined with "\\n"), dicts for "openai"."""
+def _content_parts(
+    content: object, i: int, fmt: ContentFormat, media: Mapping[str, int], costs: list[int]
+) -> list[Any]:
+    """Text parts: strings for the "string" format (joined with "\\n"), dicts for "openai".
+    Appends the declared cost of each media part to `costs`."""
     if content is None:
         return []
     if not isinstance(content, str | list):
@@ -237,7 +157,17 @@ def _content_parts(content: object, i: int, fmt: ContentFormat) -> list[Any]:
         if parsed is None:
             continue
         kind, value = parsed
-        if fmt == "string":
+        if kind == "media":
+            if value not in media:
+                raise TokenizerError(
+                    f"unsupported content part type {value!r}: this pool counts text only "
+                    "(its media_tokens declare no cost for this type)"
+                )
+            costs.append(media[value])
+            if fmt == "openai":
+                modality = next((m for m in ("audio", "video") if m in value), "image")
+                out.append({"type": modality})
+        elif fmt == "string":
             out.append(value)
         elif kind == "text":
             out.append({"type": "text", "text": value})
@@ -258,14 +188,14 @@ def _content_part(part: object, i: int) -> tuple[str, str] | None:
             None,
         )
         if media is not None:
-            raise TokenizerError(f"unsupported content part type {media!r}: only text is counted")
+            return "media", media
         if "tool_reference" not in part:
             raise TokenizerError("Missing 'type' field in multimodal part.")
         kind = "tool_reference"
     if not isinstance(kind, str):
         raise TokenizerError("Invalid 'type' field in multimodal part.")
     if kind in _MEDIA_PARTS:
-        raise TokenizerError(f"unsupported content part type {kind!r}: only text is counted")
+        return "media", kind
     field = _TEXT_PARTS.get(kind, "name" if kind == "tool_reference" else None)
     if field is None:
         raise TokenizerError(f"unsupported content part type {kind[:40]!r}")

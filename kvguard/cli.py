@@ -1,4 +1,4 @@
-"""Command line: `kvguard serve | check-config | demo`."""
+"""Command line: `kvguard serve | check-config | ledger status | demo | simulate`."""
 
 from __future__ import annotations
 
@@ -93,6 +93,43 @@ def _serve_worker(config: configs.Config, path: Path) -> int:
     return 0
 
 
+def _ledger_status(path: str) -> int:
+    """Per pool: capacity, reserved and free blocks, and each tenant's reserved blocks."""
+    try:
+        config = configs.load(path)
+    except configs.ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if config.ledger.url.startswith("memory://"):
+        return _ledger_status_via_admin(config)
+    import asyncio
+
+    from kvguard.ledger import LedgerUnavailable
+    from kvguard.ledger.status import PoolSpec, read_status, redact, render
+
+    pools = [PoolSpec(p.name, p.capacity.blocks, p.watermark) for p in config.pools]
+    try:
+        statuses = asyncio.run(read_status(config.ledger.url, config.ledger.cluster, pools))
+    except LedgerUnavailable as exc:
+        print(f"error: {path}: ledger {redact(config.ledger.url)}: {exc}", file=sys.stderr)
+        return 1
+    print(render(config.ledger.url, config.ledger.cluster, statuses))
+    return 0
+
+
+def _ledger_status_via_admin(config: configs.Config) -> int:
+    """`ledger status` for a memory:// ledger: it lives inside the running kvguard process, so
+    only that process's admin API (kvguard.v1.AdminService/GetUsage) can answer."""
+    # TODO(admin API issue): call GetUsage on config.server.grpc_listen and render it here.
+    print(
+        "error: ledger.url is memory://: the ledger lives inside the running kvguard process. "
+        "Read it through that process's admin API: set server.admin: true and query "
+        f"kvguard.v1.AdminService/GetUsage on {config.server.grpc_listen}.",
+        file=sys.stderr,
+    )
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvguard", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -100,14 +137,33 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--config", required=True, help="YAML configuration file")
     check = commands.add_parser("check-config", help="validate a configuration file")
     check.add_argument("file")
-    demo = commands.add_parser("demo", help="Envoy + kvguard + a local upstream, one burst")
-    demo.add_argument("--requests", type=int, default=24, help="requests per tenant")
+    demo = commands.add_parser(
+        "demo", help="one burst on a simulated vLLM, unguarded and behind Envoy + kvguard"
+    )
+    demo.add_argument("--requests", type=int, default=16, help="requests per tenant")
+    from kvguard.sim.simulate import add_arguments
+
+    add_arguments(
+        commands.add_parser("simulate", help="replay a trace with and without kvguard's policy")
+    )
+    ledger = commands.add_parser("ledger", help="inspect the admission ledger")
+    ledger_commands = ledger.add_subparsers(dest="ledger_command", required=True)
+    status = ledger_commands.add_parser(
+        "status", help="capacity, reserved and free blocks per pool and tenant (Redis ledger)"
+    )
+    status.add_argument("--config", required=True, help="YAML configuration file")
     args = parser.parse_args(argv)
     logs.configure("info", json=False)  # `serve` switches to JSON at its configured level
     if args.command == "serve":
         return _serve(args.config)
     if args.command == "check-config":
         return _check_config(args.file)
+    if args.command == "ledger":
+        return _ledger_status(args.config)
+    if args.command == "simulate":
+        from kvguard.sim.simulate import run_from_args
+
+        return run_from_args(args)
     from kvguard.demo import run_demo
 
     return run_demo(requests_per_tenant=args.requests)

@@ -3,54 +3,191 @@
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 
-from kvguard.errors import invalid
+from kvguard.errors import Code, Refusal, invalid
 from kvguard.request import InferenceRequest, add_special_tokens, prompts_of
 from kvguard.tokenizer import PoolTokenizer, TokenizerError
 
-# Bodies up to this size are counted on the event loop: a thread hop costs more than the
-# count itself. Larger ones go to the pool, where encode_batch releases the GIL.
-INLINE_BODY_BYTES = 16 * 1024
+# Where a count runs, by body size (bench/bench_tokens.py has the measurements, Qwen, 2 CPUs).
+# Counting costs ~0.4 µs per body byte of text and holds the GIL inline: bodies up to 4 KiB
+# stall the event loop at most ~1.5 ms; for them a thread hop (~20 µs) saves little and may
+# queue behind longer counts. Larger ones go to threads, where encode_batch releases the GIL.
+# Bodies above LONG_BODY_BYTES (~15k tokens, ~25 ms and up) may take all threads but one, so
+# that shorter counts never wait behind a 32k-token prompt (measured: 1k-token decisions
+# during a 32k flood went from p50 ~90 ms, queued behind them, to ~5 ms).
+INLINE_BODY_BYTES = 4 * 1024
+LONG_BODY_BYTES = 64 * 1024
+# Counting work queued or running, in expected seconds at the measured speed: past this a
+# request is refused rather than left to wait near the 5 s an extended Envoy message timeout
+# allows. The speed starts at what was measured here (~2.5 MB of chat body per second per
+# thread) and follows the counts actually run, so a slow or busy host refuses sooner.
+MAX_BACKLOG_S = 2.0
+INITIAL_BYTES_PER_S = 2_000_000
+RETRY_AFTER_S = 1
 
 
-def count_prompts(tokenizer: PoolTokenizer, request: InferenceRequest, *, batch: bool) -> list[int]:
-    """Prompt tokens per sequence: one entry for chat, one per prompt of a completion.
+def count_prompts(
+    tokenizer: PoolTokenizer,
+    request: InferenceRequest,
+    *,
+    batch: bool,
+    media_tokens: Mapping[str, int] | None = None,
+    max_model_len: int | None = None,
+) -> list[int]:
+    """Prompt tokens per sequence, as vLLM reports them: one entry for chat, one per prompt
+    of a completion. Raises Refusal(invalid_request) where vLLM would answer 400.
 
-    `batch` selects encode_batch, which releases the GIL (for worker threads).
+    `media_tokens` is the pool's declared cost per media content-part type (chat only);
+    `max_model_len` resolves `truncate_prompt_tokens: -1`. `batch` selects encode_batch,
+    which releases the GIL (for worker threads).
     """
     special = add_special_tokens(request)
+    param = "messages" if request.kind == "chat" else "prompt"
+    media = 0
     try:
         if request.kind == "chat":
-            texts: list[str] = [tokenizer.render_chat(request.body)]
-            prompts: list[str | list[int]] = list(texts)
+            chat = tokenizer.chat_prompt(request.body, media_tokens)
+            prompts: list[str | list[int]] = [chat.text]
+            media = chat.media_tokens
         else:
             prompts = prompts_of(request)
-            texts = [p for p in prompts if isinstance(p, str)]
-        if batch:
-            text_counts = iter(tokenizer.count_many(texts, special)) if texts else iter(())
-        else:
-            text_counts = iter([tokenizer.count(t, special) for t in texts])
+        texts = [p for p in prompts if isinstance(p, str)]
+        counted = (
+            tokenizer.count_many(texts, special)
+            if batch
+            else [tokenizer.count(t, special) for t in texts]
+        )
     except TokenizerError as exc:
-        raise invalid(str(exc), "messages" if request.kind == "chat" else "prompt") from None
-    return [len(p) if isinstance(p, list) else next(text_counts) for p in prompts]
+        raise invalid(str(exc), param) from None
+    text_counts = iter(counted)
+    counts = [
+        _kept(len(p) if isinstance(p, list) else next(text_counts) + media, request, max_model_len)
+        for p in prompts
+    ]
+    if 0 in counts:
+        raise invalid("a prompt is empty after tokenization, which vLLM refuses", param)
+    return counts
+
+
+def _kept(tokens: int, request: InferenceRequest, max_model_len: int | None) -> int:
+    """What vLLM keeps of a prompt under `truncate_prompt_tokens` (its default side, left).
+
+    -1 keeps what fits beside the output limit; kvguard then clamps that limit to the room
+    left, so `max_model_len - 1` is exactly what vLLM keeps with the rewritten body.
+    """
+    keep = request.truncate_prompt_tokens
+    if keep is None or (keep == -1 and max_model_len is None):
+        return tokens
+    return min(tokens, max_model_len - 1 if keep == -1 and max_model_len else keep)
 
 
 class PromptCounter:
-    """Counts small requests inline and large ones on a bounded thread pool."""
+    """Counts small requests inline and the rest on `workers + 1` threads, of which long
+    counts may take `workers`.
 
-    def __init__(self, workers: int = 2) -> None:
-        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="kvguard-count")
+    The bound is on work, not only on threads: the body bytes queued or running must take
+    at most MAX_BACKLOG_S to count at the measured speed (or stay under `pending_bytes`, when
+    given). Past it a request is refused at once (503, retry-after) instead of waiting past
+    Envoy's message timeout. Work stays counted until its thread finishes, even when the
+    stream that asked for it is gone.
+    """
+
+    def __init__(self, workers: int = 2, pending_bytes: int | None = None) -> None:
+        self._executor = ThreadPoolExecutor(workers + 1, thread_name_prefix="kvguard-count")
+        self._workers = workers
+        self._long = asyncio.Semaphore(workers)
+        self._max_pending = pending_bytes
+        self._pending = 0
+        self._bytes_per_s = float(INITIAL_BYTES_PER_S)  # per thread, a moving average
+
+    @property
+    def pending_bytes(self) -> int:
+        """Body bytes queued or being counted off the event loop."""
+        return self._pending
+
+    @property
+    def bytes_per_s(self) -> float:
+        """The measured counting speed of one thread, in body bytes per second."""
+        return self._bytes_per_s
+
+    def _too_busy(self, body_bytes: int) -> bool:
+        if not self._pending:  # one request larger than the bound is still served, alone
+            return False
+        backlog = self._pending + body_bytes
+        if self._max_pending is not None:
+            return backlog > self._max_pending
+        return backlog / (self._workers * self._bytes_per_s) > MAX_BACKLOG_S
 
     async def count(
-        self, tokenizer: PoolTokenizer, request: InferenceRequest, body_bytes: int
+        self,
+        tokenizer: PoolTokenizer,
+        request: InferenceRequest,
+        body_bytes: int,
+        *,
+        media_tokens: Mapping[str, int] | None = None,
+        max_model_len: int | None = None,
     ) -> list[int]:
-        if body_bytes <= INLINE_BODY_BYTES:
-            return count_prompts(tokenizer, request, batch=False)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._executor, lambda: count_prompts(tokenizer, request, batch=True)
+        """count_prompts, inline or on a thread by body size. Raises Refusal."""
+        work = partial(
+            count_prompts,
+            tokenizer,
+            request,
+            media_tokens=media_tokens,
+            max_model_len=max_model_len,
         )
+        if body_bytes <= INLINE_BODY_BYTES:
+            return work(batch=False)
+        if self._too_busy(body_bytes):
+            raise Refusal(
+                Code.INTERNAL_ERROR,
+                "kvguard is busy counting other large prompts; retry later",
+                retry_after_s=RETRY_AFTER_S,
+            )
+        self._pending += body_bytes
+        long = body_bytes > LONG_BODY_BYTES
+        if long:
+            try:
+                await self._long.acquire()
+            except BaseException:  # the stream went away while waiting: nothing ran
+                self._pending -= body_bytes
+                raise
+        loop = asyncio.get_running_loop()
+        future = self._executor.submit(_timed, work)
+        # When the thread finishes, or at once if cancelled while still queued.
+        future.add_done_callback(partial(self._finished, loop, body_bytes, long))
+        counts, _ = await asyncio.wrap_future(future)
+        return counts
+
+    def _finished(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        body_bytes: int,
+        long: bool,
+        future: Future[tuple[list[int], float]],
+    ) -> None:
+        ran = not future.cancelled() and future.exception() is None
+        seconds = future.result()[1] if ran else 0.0
+
+        def release() -> None:
+            self._pending -= body_bytes
+            if long:
+                self._long.release()
+            if seconds > 0:
+                self._bytes_per_s = 0.8 * self._bytes_per_s + 0.2 * body_bytes / seconds
+
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(release)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _timed(work: Callable[..., list[int]]) -> tuple[list[int], float]:
+    """The pool's count and the seconds its thread spent on it."""
+    start = time.perf_counter()
+    counts = work(batch=True)
+    return counts, time.perf_counter() - start

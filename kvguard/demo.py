@@ -1,205 +1,284 @@
-"""`kvguard demo`: the real Envoy + kvguard (memory ledger) + a local OpenAI-style upstream.
+"""`kvguard demo`: one burst, unguarded and then behind Envoy + kvguard, side by side.
 
-Two tenants send one burst: `acme` (tier pro) asks for far more output than its tier allows,
-`hobbyist` (unmapped, so the default tier free) sends many small requests at once. The demo
-prints, per tenant, what was admitted, clamped and refused (with reasons), and the ledger's
-peak reserved blocks against the pool's capacity.
+The upstream is kvguard's vLLM simulator (kvguard/sim: vLLM's scheduling and KV-block
+accounting, real time, no GPU): 512 usable blocks of 16 tokens. Two tenants share it:
+
+- `acme` (tier pro) sends a burst of long report generations (1200 output tokens each,
+  `ignore_eos`), all at once;
+- `hobbyist` (unmapped, so the default tier free) asks for short jokes, one every 0.25 s, with
+  no output limit (they end naturally after 40-120 tokens).
+
+Unguarded, acme's requests fill the KV cache, vLLM preempts and recomputes, and the hobbyist's
+small requests queue behind them. Guarded, kvguard (capacity discovered from the simulator's
+/metrics, memory ledger) clamps acme to its tier and admits only what fits: no preemptions, and
+the hobbyist's latency stays low; the rest is refused early with a 429.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import logging
+import sys
 import tempfile
-import uuid
-from dataclasses import dataclass, field
+import time
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import yaml
 
 from kvguard import config as configs
 from kvguard.capacity import PoolCapacity
 from kvguard.server import Service
+from kvguard.sim.engine import EngineConfig, StepCost
+from kvguard.sim.load import Answer, Planned, send_all
+from kvguard.sim.report import percentile
+from kvguard.sim.server import SimServer
 from kvguard.testing.envoy import SHIPPED_CONFIG, EnvoyProcess, render_envoy_config
-from kvguard.testing.upstream import RecordingUpstream
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / ".cache" / "models" / "qwen"
 MODEL = "qwen2.5-7b-instruct"
-CAPACITY_BLOCKS = 520
-BLOCK_SIZE = 16
-LIMIT = PoolCapacity(CAPACITY_BLOCKS, BLOCK_SIZE).limit(0.15)
+ENGINE = EngineConfig(
+    num_gpu_blocks=513,  # 512 usable
+    block_size=16,
+    max_num_seqs=64,
+    max_num_batched_tokens=2048,
+    max_model_len=4096,
+    cost=StepCost(base_s=0.003, prefill_token_s=0.00001, decode_seq_s=0.00005),
+)
+NATURAL_TOKENS = (40, 120)  # where a request without ignore_eos ends
+TIERS = {"acme": "pro", "hobbyist": "free"}
 
-DEMO_CONFIG: dict[str, Any] = {
-    "server": {"grpc_listen": "127.0.0.1:0", "metrics_listen": ""},
-    "ledger": {"url": "memory://", "lease_seconds": 120},
-    "tenancy": {
-        "header": "x-tenant-id",
-        "default_tier": "free",
-        "tiers": {
-            "free": {"max_tokens_cap": 256, "default_max_tokens": 128, "max_blocks": 120},
-            "pro": {"max_tokens_cap": 1024, "default_max_tokens": 512, "max_blocks": 400},
+
+def demo_config(sim_url: str) -> dict[str, Any]:
+    return {
+        "server": {"grpc_listen": "127.0.0.1:0", "metrics_listen": ""},
+        "ledger": {"url": "memory://", "lease_seconds": 120},
+        "tenancy": {
+            "header": "x-tenant-id",
+            "default_tier": "free",
+            "tiers": {
+                "free": {"max_tokens_cap": 256, "default_max_tokens": 128, "max_blocks": 160},
+                "pro": {"max_tokens_cap": 512, "default_max_tokens": 256, "max_blocks": 320},
+            },
+            "tenants": {"acme": "pro"},
         },
-        "tenants": {"acme": "pro"},
-    },
-    "pools": [
-        {
-            "name": "qwen",
-            "models": [MODEL],
-            "tokenizer": str(TOKENIZER),
-            "max_model_len": 32768,
-            "watermark": 0.15,  # LIMIT above uses the same
-            "capacity": {"blocks": CAPACITY_BLOCKS, "block_size": BLOCK_SIZE},
-        }
-    ],
-}
+        "pools": [
+            {
+                "name": "qwen",
+                "models": [MODEL],
+                "tokenizer": str(TOKENIZER),
+                "max_model_len": ENGINE.max_model_len,
+                "watermark": 0.15,
+                "capacity": {"endpoints": [sim_url], "refresh_seconds": 1},
+            }
+        ],
+    }
 
 
-@dataclass
-class TenantTally:
-    sent: int = 0
-    admitted: int = 0
-    clamped: int = 0
-    refused: collections.Counter[str] = field(default_factory=collections.Counter)
-
-
-def _burst(requests_per_tenant: int) -> list[tuple[str, dict[str, Any]]]:
-    question = "Summarise the plot of a long novel about a lighthouse keeper. " * 8
+def plan(requests_per_tenant: int) -> list[Planned]:
+    report = "Write a thorough report on the history of lighthouses and their keepers. " * 16
     burst = []
     for i in range(requests_per_tenant):
         burst.append(
-            (
+            Planned(
+                0.01 * i,
                 "acme",
+                "/v1/chat/completions",
                 {
                     "model": MODEL,
-                    "max_tokens": 8000,
-                    "stream": True,
-                    "messages": [
-                        {"role": "system", "content": "Be thorough."},
-                        {"role": "user", "content": f"{i}: {question}"},
-                    ],
+                    "max_tokens": 1200,
+                    "ignore_eos": True,
+                    "messages": [{"role": "user", "content": f"{i}: {report}"}],
                 },
+                {"x-sim-tag": f"acme-{i}"},
             )
         )
         burst.append(
-            (
+            Planned(
+                0.5 + 0.25 * i,
                 "hobbyist",
+                "/v1/chat/completions",
                 {
                     "model": MODEL,
                     "stream": True,
                     "messages": [{"role": "user", "content": f"Joke #{i}, please"}],
                 },
+                {"x-sim-tag": f"hobbyist-{i}"},
             )
         )
-    return burst
+    return sorted(burst, key=lambda p: p.at_s)
 
 
-async def _send(
-    http: aiohttp.ClientSession, url: str, tenant: str, body: dict[str, Any], demo_id: str
-) -> tuple[int, str]:
-    headers = {"x-tenant-id": tenant, "x-demo-id": demo_id}
-    async with http.post(url + "/v1/chat/completions", json=body, headers=headers) as response:
-        await response.read()
-        return response.status, response.headers.get("x-kvguard-reason", "")
+class Progress:
+    """One line per run: a bar of answered requests (redrawn in place on a terminal)."""
+
+    def __init__(self, label: str, total: int) -> None:
+        self.label, self.total, self.done = label, total, 0
+        self.started = time.monotonic()
+        self.tty = sys.stdout.isatty()
+
+    def __call__(self, _: Answer) -> None:
+        self.done += 1
+        if self.tty:
+            print("\r" + self._line(), end="", flush=True)
+
+    def finish(self) -> None:
+        print(("\r" if self.tty else "") + self._line(), flush=True)
+
+    def _line(self) -> str:
+        filled = 30 * self.done // max(self.total, 1)
+        bar = "#" * filled + "." * (30 - filled)
+        return (
+            f"{self.label:<10} [{bar}] {self.done}/{self.total} answered "
+            f"{time.monotonic() - self.started:5.1f} s"
+        )
+
+
+async def _unguarded(burst: list[Planned]) -> tuple[list[Answer], SimServer]:
+    sim = SimServer(ENGINE, model=MODEL, natural_tokens=NATURAL_TOKENS)
+    await sim.start()
+    try:
+        progress = Progress("unguarded", len(burst))
+        answers = await send_all(sim.url, burst, on_done=progress)
+        progress.finish()
+        return answers, sim
+    finally:
+        await sim.stop()
+
+
+async def _guarded(burst: list[Planned], workdir: Path) -> tuple[list[Answer], SimServer, int, int]:
+    sim = SimServer(ENGINE, model=MODEL, natural_tokens=NATURAL_TOKENS)
+    await sim.start()
+    path = workdir / "kvguard.yaml"
+    path.write_text(yaml.safe_dump(demo_config(sim.url), sort_keys=False))
+    service = Service(configs.load(path, environ={}))
+    await service.start()
+    rendered = render_envoy_config(
+        SHIPPED_CONFIG,
+        listen_port=0,
+        admin_port=0,
+        kvguard_port=service.grpc.port,
+        upstream_port=sim.port,
+    )
+    envoy = EnvoyProcess(rendered, workdir)
+    try:
+        await envoy.start()
+        await envoy.wait_cluster_healthy("kvguard")  # ready once capacity is discovered
+        capacity = service.capacities.get("qwen")
+        assert capacity is not None
+        print(
+            f"kvguard    capacity from {sim.url}/metrics: {capacity.blocks} blocks of "
+            f"{capacity.block_size} tokens; watermark 0.15 admits up to {capacity.limit(0.15)}"
+        )
+        stop, peak = asyncio.Event(), [0]
+        sampler = asyncio.create_task(_sample_peak(service, stop, peak))
+        progress = Progress("kvguard", len(burst))
+        answers = await send_all(envoy.url, burst, on_done=progress)
+        progress.finish()
+        left = await _drained(service)
+        stop.set()
+        await sampler
+        return answers, sim, peak[0], left
+    finally:
+        await envoy.stop()
+        await service.stop(0)
+        await sim.stop()
+
+
+async def _drained(service: Service, timeout_s: float = 5.0) -> int:
+    """Blocks still reserved once every lease is released (kvguard releases within 1 s of the
+    end of a response; Envoy ends the ext_proc stream just after the client's response)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        await service.keeper.settle()
+        left = (await service.ledger.usage("qwen")).reserved
+        if left == 0 or time.monotonic() > deadline:
+            return left
+        await asyncio.sleep(0.02)
 
 
 async def _sample_peak(service: Service, stop: asyncio.Event, peak: list[int]) -> None:
     while not stop.is_set():
         peak[0] = max(peak[0], (await service.ledger.usage("qwen")).reserved)
-        await asyncio.sleep(0.005)
+        # A sampling period, not a synchronisation: stop ends the wait at once.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.005)
+
+
+def _row(answers: list[Answer], sim: SimServer, tenant: str) -> dict[str, str]:
+    mine = [a for a in answers if a.planned.tenant == tenant]
+    served = [a.latency_s for a in mine if a.ok]
+    refused = collections.Counter(f"{a.status} {a.reason}" for a in mine if not a.ok)
+    clamped = sum(
+        1
+        for a in mine
+        if a.ok
+        and sim.received_limits.get(a.planned.headers["x-sim-tag"])
+        != {k: v for k, v in a.planned.body.items() if k in ("max_tokens", "max_completion_tokens")}
+    )
+    p50, p99 = percentile(served, 0.5), percentile(served, 0.99)
+    return {
+        "preempted": str(sim.tenant_preemptions.get(tenant, 0)),
+        "latency": "-" if p50 is None or p99 is None else f"{p50:.1f} / {p99:.1f} s",
+        "served": str(len(served)),
+        "clamped": str(clamped),
+        "refused": ", ".join(f"{n} x {why}" for why, n in refused.most_common()) or "-",
+    }
+
+
+def _table(before: tuple[list[Answer], SimServer], after: tuple[list[Answer], SimServer]) -> str:
+    lines = [
+        f"{'':<20}{'unguarded: straight to vLLM':<38}{'guarded: Envoy + kvguard'}",
+        f"{'tenant':<9}{'tier':<5}{'sent':>5}  {'preempted':>9} {'latency p50/p99':>16} "
+        f"{'served':>7}  {'preempted':>9} {'latency p50/p99':>16} {'served':>7} "
+        f"{'clamped':>7}  refused",
+    ]
+    for tenant, tier in TIERS.items():
+        sent = sum(1 for a in before[0] if a.planned.tenant == tenant)
+        b, a = _row(*before, tenant), _row(*after, tenant)
+        lines.append(
+            f"{tenant:<9}{tier:<5}{sent:>5}  {b['preempted']:>9} {b['latency']:>16} "
+            f"{b['served']:>7}  {a['preempted']:>9} {a['latency']:>16} {a['served']:>7} "
+            f"{a['clamped']:>7}  {a['refused']}"
+        )
+    return "\n".join(lines)
 
 
 async def _run(requests_per_tenant: int) -> int:
-    with tempfile.TemporaryDirectory(prefix="kvguard-demo-") as tmp:
-        workdir = Path(tmp)
-        path = workdir / "kvguard.yaml"
-        path.write_text(yaml.safe_dump(DEMO_CONFIG, sort_keys=False))
-        service = Service(configs.load(path, environ={}))
-        await service.start()
-        upstream = RecordingUpstream(token_delay=0.002)
-        await upstream.start()
-        envoy = EnvoyProcess(
-            render_envoy_config(
-                SHIPPED_CONFIG,
-                listen_port=0,
-                admin_port=0,
-                kvguard_port=service.grpc.port,
-                upstream_port=upstream.port,
-            ),
-            workdir,
-        )
-        try:
-            await envoy.start()
-            await envoy.wait_cluster_healthy("kvguard")
-            print(
-                f"Envoy {envoy.url} -> kvguard 127.0.0.1:{service.grpc.port} "
-                f"-> upstream {upstream.url}"
-            )
-            print(
-                f"pool qwen: {CAPACITY_BLOCKS} blocks of {BLOCK_SIZE} tokens, watermark 0.15 "
-                f"(admits up to {LIMIT} blocks)\n"
-            )
-            return await _replay(service, upstream, envoy, requests_per_tenant)
-        finally:
-            await envoy.stop()
-            await upstream.stop()
-            await service.stop(0)
-
-
-async def _replay(
-    service: Service, upstream: RecordingUpstream, envoy: EnvoyProcess, requests_per_tenant: int
-) -> int:
-    burst = _burst(requests_per_tenant)
-    tallies: dict[str, TenantTally] = collections.defaultdict(TenantTally)
-    sent: dict[str, dict[str, Any]] = {}
-    stop, peak = asyncio.Event(), [0]
-    sampler = asyncio.create_task(_sample_peak(service, stop, peak))
-    async with aiohttp.ClientSession() as http:
-        tasks = []
-        for tenant, body in burst:
-            demo_id = uuid.uuid4().hex
-            sent[demo_id] = body
-            tasks.append(_send(http, envoy.url, tenant, body, demo_id))
-            tallies[tenant].sent += 1
-        results = await asyncio.gather(*tasks)
-    await service.keeper.settle()
-    stop.set()
-    await sampler
-    for (tenant, _), (status, reason) in zip(burst, results, strict=True):
-        if status == 200:
-            tallies[tenant].admitted += 1
-        else:
-            tallies[tenant].refused[f"{status} {reason}"] += 1
-    for seen in upstream.requests:
-        original = sent[seen.headers["x-demo-id"]]
-        if original.get("max_tokens") != seen.json().get("max_tokens"):
-            tallies[seen.headers["x-tenant-id"]].clamped += 1
-    _print_table(tallies)
-    left = (await service.ledger.usage("qwen")).reserved
+    burst = plan(requests_per_tenant)
     print(
-        f"\nledger peak: {peak[0]} of {CAPACITY_BLOCKS} blocks reserved "
-        f"(limit {LIMIT}); after the burst: {left}"
+        f"vLLM simulator: {ENGINE.usable_blocks} KV blocks of {ENGINE.block_size} tokens, "
+        f"max_num_seqs {ENGINE.max_num_seqs}\nacme (pro): {requests_per_tenant} x 1200 output "
+        f"tokens at once; hobbyist (free): {requests_per_tenant} short jokes, 4 a second\n"
     )
-    return 0 if left == 0 else 1
+    unguarded = await _unguarded(burst)
+    with tempfile.TemporaryDirectory(prefix="kvguard-demo-") as tmp:
+        answers, sim, peak, left = await _guarded(burst, Path(tmp))
+    limit = PoolCapacity(ENGINE.usable_blocks, ENGINE.block_size).limit(0.15)
+    print()
+    print(_table(unguarded, (answers, sim)))
+    print(
+        f"\npreemptions (vllm:num_preemptions_total): {unguarded[1].engine.preemptions_total} "
+        f"unguarded, {sim.engine.preemptions_total} guarded"
+    )
+    print(
+        f"ledger peak: {peak} of {ENGINE.usable_blocks} blocks reserved (limit {limit}); "
+        f"after the burst: {left}"
+    )
+    failed = [a for a in unguarded[0] + answers if a.error is not None]
+    for answer in failed[:3]:
+        print(f"transport error: {answer.planned.tenant}: {answer.error}")
+    return 0 if left == 0 and not failed else 1
 
 
-def _print_table(tallies: dict[str, TenantTally]) -> None:
-    print(f"{'tenant':<10} {'tier':<5} {'sent':>5} {'admitted':>9} {'clamped':>8}  refused")
-    for tenant, tally in tallies.items():
-        tier = DEMO_CONFIG["tenancy"]["tenants"].get(tenant, "free")
-        refused = ", ".join(f"{n} x {why}" for why, n in tally.refused.most_common()) or "-"
-        print(
-            f"{tenant:<10} {tier:<5} {tally.sent:>5} {tally.admitted:>9} {tally.clamped:>8}  "
-            f"{refused}"
-        )
-
-
-def run_demo(requests_per_tenant: int = 24) -> int:
+def run_demo(requests_per_tenant: int = 16) -> int:
     if not (TOKENIZER / "tokenizer.json").is_file():
         print(f"missing {TOKENIZER}: run `make demo` (it fetches the tokenizer files)")
         return 1
     import uvloop
 
+    logging.getLogger().setLevel(logging.WARNING)  # the table says it all; warnings still show
     return uvloop.run(_run(requests_per_tenant))

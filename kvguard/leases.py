@@ -45,17 +45,36 @@ class LeaseKeeper:
     def open_leases(self) -> int:
         return len(self._open)
 
+    def snapshot(self) -> list[Lease]:
+        """The leases held now (open streams), for re-asserting them in the ledger."""
+        return list(self._open.values())
+
     async def renew_forever(self) -> None:
         """Renew open leases every third of the lease time, so a long stream keeps its blocks."""
         interval = self._lease_seconds / 3
         while True:
             await asyncio.sleep(interval)
-            for lease in list(self._open.values()):
-                try:
-                    if not await self._ledger.renew(lease, self._lease_seconds):
-                        log.warning("lease %s was gone when renewed", lease.lease_id)
-                except Exception:
-                    log.exception("renewing lease %s failed", lease.lease_id)
+            try:
+                await self.renew_all()
+            except Exception:
+                log.exception("renewing %d open leases failed", len(self._open))
+
+    async def renew_all(self) -> int:
+        """Re-assert every open lease in one ledger call (one script call per pool on Redis):
+        renewed for the lease time, or recorded again if the ledger lost it (a Redis that
+        restarted empty converges to the open streams). Returns how many were recorded again."""
+        leases = self.snapshot()
+        if not leases:
+            return 0
+        added = await self._ledger.reassert(leases, self._lease_seconds)
+        if added:
+            log.warning("%d open leases were missing from the ledger and were re-asserted", added)
+        # A release that reached the ledger before the re-assert would be undone by it: release
+        # those again (release is idempotent).
+        for lease in leases:
+            if lease.lease_id not in self._open:
+                await self._ledger.release(lease)
+        return added
 
     async def settle(self) -> None:
         """Wait until every release started so far has reached the ledger."""

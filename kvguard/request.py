@@ -36,6 +36,8 @@ class InferenceRequest:
     body: dict[str, Any]
     n: int
     limits: dict[str, int]  # limit fields the client sent with a value
+    # vLLM keeps this many prompt tokens (-1: as many as fit); None: no truncation.
+    truncate_prompt_tokens: int | None = None
 
 
 def guarded_kind(path: str) -> Kind | None:
@@ -70,14 +72,32 @@ def parse(kind: Kind, raw: bytes) -> InferenceRequest:
     if kind == "chat":
         _check_messages(body.get("messages"))
     else:
-        _check_prompt(body.get("prompt"))
+        _check_prompt(body.get("prompt"), body.get("prompt_embeds"))
     n = _positive_int(body, "n") or 1
     limits = {}
     for key in ALL_LIMIT_FIELDS:
-        value = _positive_int(body, key)
+        value = 0 if kind == "completion" and _echo_only(body, key) else _positive_int(body, key)
         if value is not None:
             limits[key] = value
-    return InferenceRequest(kind, model, body, n, limits)
+    return InferenceRequest(kind, model, body, n, limits, _truncation(body))
+
+
+def _echo_only(body: dict[str, Any], key: str) -> bool:
+    """vLLM accepts `max_tokens: 0` on a completion with `echo`: it returns the prompt and
+    runs one step, so the prompt's own blocks are all it holds."""
+    if key != "max_tokens" or type(body.get(key)) is not int or body[key] != 0:
+        return False
+    try:
+        return lax_bool(body.get("echo") or False, "echo")
+    except TokenizerError as exc:
+        raise invalid(str(exc), "echo") from None
+
+
+def _truncation(body: dict[str, Any]) -> int | None:
+    value = body.get("truncate_prompt_tokens")
+    if value is not None and (type(value) is not int or value < -1):
+        raise invalid("'truncate_prompt_tokens' must be an integer >= -1", "truncate_prompt_tokens")
+    return value
 
 
 def _check_messages(messages: Any) -> None:
@@ -88,8 +108,16 @@ def _check_messages(messages: Any) -> None:
             raise invalid(f"messages[{i}] must be an object with a string 'role'", "messages")
 
 
-def _check_prompt(prompt: Any) -> None:
+def _check_prompt(prompt: Any, embeds: Any) -> None:
     """A string, a list of strings, a list of token ids, or a list of lists of token ids."""
+    if embeds is not None and embeds != []:
+        raise invalid(
+            "'prompt_embeds' is not supported here: its token count cannot be checked before "
+            "admission; send the prompt as text or token ids",
+            "prompt_embeds",
+        )
+    if prompt == "":
+        raise invalid("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
     if isinstance(prompt, str):
         return
     if isinstance(prompt, list) and prompt:

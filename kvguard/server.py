@@ -15,11 +15,13 @@ from kvguard.admission import Admission, AdmissionSettings
 from kvguard.capacity import Capacities
 from kvguard.config import Config
 from kvguard.counting import PromptCounter
+from kvguard.discovery import Discovery
 from kvguard.extproc.admin import AdminService
 from kvguard.extproc.server import GrpcServer
 from kvguard.extproc.service import ExternalProcessor
 from kvguard.health import Health
 from kvguard.leases import LeaseKeeper
+from kvguard.ledger.resilient import ResilientLedger
 from kvguard.ledger.url import from_url
 from kvguard.metrics import Metrics
 from kvguard.reload import PolicyWatcher
@@ -60,6 +62,8 @@ class Service:
         self.capacities = Capacities()
         self.capacities.subscribe(lambda: self.health.set("capacity", self.capacities.any_known()))
         self.publish(policies.build(config, self._tokenizers))
+        # Pools with capacity.endpoints: read from vLLM's /metrics, refreshed (see start()).
+        self.discovery = Discovery(lambda: self.policy, self.capacities)
         self.health.set("tokenizers", True)
         self._watcher = None
         if config_path is not None:
@@ -72,8 +76,17 @@ class Service:
             )
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
-        self.ledger = from_url(config.ledger.url)
-        self.health.set("ledger", True)
+        self.health.set("ledger", True)  # until a Redis ledger finds Redis unreachable
+        self.ledger = from_url(
+            config.ledger.url,
+            cluster=config.ledger.cluster,
+            on_unavailable=config.ledger.on_unavailable,
+            replicas=config.ledger.replicas,
+            lease_seconds=config.ledger.lease_seconds,
+            on_reachability=lambda reachable: self.health.set("ledger", reachable),
+            open_leases=lambda: self.keeper.snapshot(),
+            on_error=self.metrics.record_ledger_error,
+        )
         self.counter = PromptCounter()
         self.keeper = LeaseKeeper(self.ledger, config.ledger.lease_seconds)
         self.admission = Admission(
@@ -97,6 +110,7 @@ class Service:
             AdminService(lambda: self.policy, self.ledger, self.capacities)
             if config.server.admin
             else None,
+            reuse_port=config.server.workers > 1,
         )
 
     def publish(self, policy: policies.Policy) -> None:
@@ -117,10 +131,12 @@ class Service:
         return policies.build(config, self._tokenizers)
 
     async def start(self) -> None:
+        if isinstance(self.ledger, ResilientLedger):
+            await self.ledger.start()  # registers the scripts; an unreachable Redis: not ready
         await self.grpc.start()
         host = self.config.server.grpc_listen.rsplit(":", 1)[0]
         log.info("kvguard serving ext_proc and health on %s:%d", host, self.grpc.port)
-        jobs = [self.keeper.renew_forever(), self._refresh_view()]
+        jobs = [self.keeper.renew_forever(), self._refresh_view(), self.discovery.run()]
         if self._watcher is not None:
             jobs.append(self._watcher.run())
         self._tasks = [asyncio.create_task(job) for job in jobs]
@@ -160,6 +176,7 @@ class Service:
         """Keep the gauges' view of the ledger and capacities current (the ledger is shared)."""
         view = self.metrics.view
         while True:
+            view.capacity_age_s = self.discovery.ages()
             for name in list(self.policy.pools):
                 capacity = self.capacities.get(name)
                 if capacity is not None:

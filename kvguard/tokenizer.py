@@ -13,20 +13,23 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tokenizers import AddedToken, Tokenizer
 
-from kvguard.chat_messages import (
-    TokenizerError,
-    normalise_messages,
-    normalise_tools,
-    template_arguments,
-)
+from kvguard.chat_arguments import template_arguments
+from kvguard.chat_messages import TokenizerError, normalise_messages, normalise_tools
 from kvguard.chat_template import ChatTemplate, ChatTemplateError
 
-__all__ = ["PoolTokenizer", "TokenizerError"]
+__all__ = ["ChatPrompt", "PoolTokenizer", "TokenizerError"]
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    text: str  # the rendered template, to be tokenized
+    media_tokens: int  # declared tokens of its media parts, added to the text's count
 
 
 _NAMED_SPECIAL_TOKENS = (
@@ -88,14 +91,23 @@ class PoolTokenizer:
 
     def render_chat(self, request: Mapping[str, Any]) -> str:
         """The prompt text vLLM renders for this chat.completions body. Raises TokenizerError."""
+        return self.chat_prompt(request).text
+
+    def chat_prompt(
+        self, request: Mapping[str, Any], media_tokens: Mapping[str, int] | None = None
+    ) -> ChatPrompt:
+        """The rendered prompt and the tokens declared for its media parts (`media_tokens`,
+        per content-part type; a media part of another type is refused). Raises TokenizerError.
+        """
         messages = request.get("messages")
         if not isinstance(messages, list) or not messages:
             raise TokenizerError("messages must be a non-empty array")
         args = template_arguments(request, normalise_tools(request.get("tools")))
         template = self._template_for(args.tools)
+        chat, media = normalise_messages(messages, template.content_format, media_tokens)
         try:
-            return template.render(
-                normalise_messages(messages, template.content_format),
+            text = template.render(
+                chat,
                 tools=args.tools,
                 documents=args.documents,
                 add_generation_prompt=args.add_generation_prompt,
@@ -104,6 +116,7 @@ class PoolTokenizer:
             )
         except ChatTemplateError as exc:
             raise TokenizerError(str(exc)) from None
+        return ChatPrompt(text, media)
 
     def count(self, text: str, add_special_tokens: bool) -> int:
         """Tokens in `text`. Holds the GIL: for short texts only (see count_many)."""

@@ -27,7 +27,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         self._ledger = ledger
         self._capacities = capacities
 
-    async def GetUsage(  # noqa: N802 - the gRPC method name
+    async def GetUsage(
         self, request: admin_pb2.GetUsageRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.GetUsageResponse:
         pools = []
@@ -47,7 +47,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
             )
         return admin_pb2.GetUsageResponse(pools=pools)
 
-    async def ReleaseLease(  # noqa: N802 - the gRPC method name
+    async def ReleaseLease(
         self, request: admin_pb2.ReleaseLeaseRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.ReleaseLeaseResponse:
         if request.pool not in self._policy().pools:

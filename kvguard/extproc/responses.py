@@ -17,6 +17,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
     TrailersResponse,
 )
 from envoy.type.v3.http_status_pb2 import HttpStatus
+from google.protobuf.duration_pb2 import Duration
 
 from kvguard.errors import Refusal
 
@@ -64,6 +65,14 @@ def admitted_body(body: bytes | None, headers: dict[str, str]) -> ProcessingResp
             body_mutation=BodyMutation(body=body),
         )
     return ProcessingResponse(request_body=BodyResponse(response=common))
+
+
+def extend_message_timeout(seconds: float) -> ProcessingResponse:
+    """Asks Envoy to wait up to `seconds` for the answer to the current message (once per
+    message; Envoy ignores it above its max_message_timeout)."""
+    timeout = Duration()
+    timeout.FromMilliseconds(round(seconds * 1000))
+    return ProcessingResponse(override_message_timeout=timeout)
 
 
 def continue_response(kind: str) -> ProcessingResponse:

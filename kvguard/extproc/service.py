@@ -7,6 +7,7 @@ stream without a reply would let Envoy pass the request unmetered.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
     ProcessingResponse,
 )
 
-from kvguard.admission import Admission, Decision
+from kvguard.admission import Admission, Admitted, Decision
 from kvguard.errors import Code, Refusal, invalid
 from kvguard.extproc import responses
 from kvguard.leases import LeaseKeeper
@@ -33,6 +34,11 @@ from kvguard.telemetry import Telemetry
 log = logging.getLogger(__name__)
 
 KVGUARD_HEADER_PREFIX = "x-kvguard-"
+# Envoy waits message_timeout (200 ms) for each answer. A decision still running after
+# SLOW_DECISION_S (a large prompt queued for counting) asks Envoy, once, to wait up to
+# EXTENDED_MESSAGE_TIMEOUT_S; Envoy ignores more than its max_message_timeout (envoy.yaml: 5s).
+SLOW_DECISION_S = 0.1
+EXTENDED_MESSAGE_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -83,7 +89,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
                             response = self._on_request_headers(exchange, message.request_headers)
                         case "request_body":
                             response, lease = await self._on_request_body(
-                                exchange, message.request_body
+                                exchange, message.request_body, context
                             )
                         case "response_headers":
                             exchange.upstream_status = _status(message.response_headers)
@@ -110,28 +116,59 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
         return responses.request_headers(remove, guarded=True)
 
     async def _on_request_body(
-        self, exchange: _Exchange, message: HttpBody
+        self,
+        exchange: _Exchange,
+        message: HttpBody,
+        context: grpc.aio.ServicerContext[ProcessingRequest, ProcessingResponse],
     ) -> tuple[ProcessingResponse, Lease | None]:
         if exchange.kind is None or exchange.identity is None:
             return responses.continue_response("request_body"), None
         exchange.recorded = True
         with self._telemetry.deciding(exchange.decision, exchange.headers):
             try:
-                admitted = await self._admission.decide(
-                    exchange.policy,
-                    exchange.kind,
-                    exchange.identity,
-                    message.body,
-                    exchange.decision,
+                admitted = await self._decide_in_time(
+                    exchange, exchange.kind, exchange.identity, message.body, context
                 )
             except Refusal:
                 raise
             except Exception:
                 exchange.decision.refused(Code.INTERNAL_ERROR)
                 raise
+        return responses.admitted_body(admitted.body, admitted.headers), admitted.lease
+
+    async def _decide_in_time(
+        self,
+        exchange: _Exchange,
+        kind: Kind,
+        identity: Identity,
+        body: bytes,
+        context: grpc.aio.ServicerContext[ProcessingRequest, ProcessingResponse],
+    ) -> Admitted:
+        """The decision, its lease held; Envoy is asked for more time if it runs long."""
+        task = asyncio.ensure_future(self._decide_and_hold(exchange, kind, identity, body))
+        try:
+            done, _ = await asyncio.wait({task}, timeout=SLOW_DECISION_S)
+            if not done:
+                await context.write(responses.extend_message_timeout(EXTENDED_MESSAGE_TIMEOUT_S))
+            return await task
+        except BaseException:  # the stream is gone (cancelled, or the write failed)
+            if not task.done():
+                task.cancel()
+            elif not task.cancelled() and task.exception() is None:
+                lease = task.result().lease
+                if lease is not None:
+                    self._keeper.release(lease)
+            raise
+
+    async def _decide_and_hold(
+        self, exchange: _Exchange, kind: Kind, identity: Identity, body: bytes
+    ) -> Admitted:
+        admitted = await self._admission.decide(
+            exchange.policy, kind, identity, body, exchange.decision
+        )
         if admitted.lease is not None:
             self._keeper.hold(admitted.lease)
-        return responses.admitted_body(admitted.body, admitted.headers), admitted.lease
+        return admitted
 
     def _answer_error(self, exchange: _Exchange, exc: Exception) -> ProcessingResponse:
         if not isinstance(exc, Refusal):

@@ -1,14 +1,17 @@
 """Ledgers: where reservations of KV-cache blocks live.
 
-A backend is picked from the URL scheme (`kvguard.ledger.url.from_url`). Every backend makes
-the same
+A backend is picked from the URL scheme (`kvguard.ledger.url.from_url`): `memory://` (one
+process, `memory.MemoryLedger`) or `redis://`/`rediss://` (shared by every replica,
+`redis_ledger.RedisLedger` wrapped in `resilient.ResilientLedger`). Every backend makes the same
 promise: `reserve` checks the pool limit and the tenant quota and records the lease in one
-atomic step, reclaiming expired leases on the way; `release` is idempotent.
+atomic step, reclaiming expired leases on the way; `release` and `reassert` are idempotent.
+All amounts are KV-cache blocks of the pool's block size.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -60,7 +63,10 @@ class LedgerUnavailable(Exception):
 
 
 class Ledger(Protocol):
-    async def reserve(self, claim: Claim) -> Reservation: ...
+    async def reserve(self, claim: Claim) -> Reservation:
+        """Admit `claim` (record its lease, expiring after `claim.lease_seconds` unless renewed)
+        or refuse it, in one atomic step that first refuses an impossible claim and reclaims
+        expired leases. Raises LedgerUnavailable when the ledger cannot be reached."""
 
     async def release(self, lease: Lease) -> None:
         """Idempotent: releasing an unknown or already released lease does nothing."""
@@ -68,6 +74,12 @@ class Ledger(Protocol):
     async def renew(self, lease: Lease, lease_seconds: float) -> bool:
         """Extend a live lease; False when it is gone (expired and reclaimed, or released)."""
 
-    async def usage(self, pool: str) -> PoolUsage: ...
+    async def reassert(self, leases: Iterable[Lease], lease_seconds: float) -> int:
+        """Hold each lease for `lease_seconds` more: renew it, or record it again without any
+        check when the ledger lost it (its request is running, so the ledger must count it).
+        Idempotent. Returns how many leases were recorded again."""
+
+    async def usage(self, pool: str) -> PoolUsage:
+        """Blocks and leases held in `pool` (expired leases reclaimed first), per tenant."""
 
     async def close(self) -> None: ...

@@ -6,7 +6,7 @@ import heapq
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvguard.ledger import Claim, Lease, Outcome, PoolUsage, Reservation
@@ -50,6 +50,10 @@ class MemoryLedger:
             pool = self._pools[claim.pool]
             now = self._clock()
             pool.reclaim_expired(now)
+            held = pool.leases.get(claim.lease_id)
+            if held is not None:  # a retried call: admitted once, counted once
+                tenant_now = pool.tenants.get(claim.tenant, 0)
+                return Reservation(Outcome.ADMITTED, pool.reserved, tenant_now, held[0])
             tenant_after = pool.tenants.get(claim.tenant, 0) + claim.blocks
             pool_after = pool.reserved + claim.blocks
             if tenant_after > claim.tenant_quota:
@@ -81,6 +85,30 @@ class MemoryLedger:
             pool.leases[lease.lease_id] = (lease, expiry)
             heapq.heappush(pool.expiries, (expiry, lease.lease_id))
             return True
+
+    async def reassert(self, leases: Iterable[Lease], lease_seconds: float) -> int:
+        return self.hold(leases, lease_seconds)
+
+    def hold(self, leases: Iterable[Lease], lease_seconds: float) -> int:
+        """`reassert`, synchronously: renew each lease, or record it again without checks.
+        Returns how many were recorded again."""
+        added = 0
+        with self._lock:
+            now = self._clock()
+            for lease in leases:
+                pool = self._pools[lease.pool]
+                pool.reclaim_expired(now)
+                held = pool.leases.get(lease.lease_id)
+                if held is None:
+                    pool.reserved += lease.blocks
+                    pool.tenants[lease.tenant] += lease.blocks
+                    added += 1
+                else:
+                    lease = held[0]  # the lease as counted
+                expiry = now + lease_seconds
+                pool.leases[lease.lease_id] = (lease, expiry)
+                heapq.heappush(pool.expiries, (expiry, lease.lease_id))
+        return added
 
     async def usage(self, pool: str) -> PoolUsage:
         with self._lock:

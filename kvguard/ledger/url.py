@@ -2,18 +2,54 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
-from kvguard.ledger import Ledger
+from kvguard.ledger import Lease, Ledger
 from kvguard.ledger.memory import MemoryLedger
 
 
-def from_url(url: str, clock: Callable[[], float] | None = None) -> Ledger:
-    """The ledger for `url`; the scheme picks the backend."""
+def from_url(
+    url: str,
+    clock: Callable[[], float] | None = None,
+    *,
+    cluster: bool = False,
+    on_unavailable: str = "reject",
+    replicas: int = 1,
+    lease_seconds: float = 900,
+    on_reachability: Callable[[bool], None] | None = None,
+    open_leases: Callable[[], Iterable[Lease]] | None = None,
+    on_error: Callable[[], None] | None = None,
+) -> Ledger:
+    """The ledger for `url`; the scheme picks the backend.
+
+    `memory://`: the embedded ledger on `clock` (seconds; monotonic by default). `redis://` and
+    `rediss://`: the shared ledger (`cluster`: the URL names a Redis Cluster seed node), wrapped
+    in a ResilientLedger that applies `on_unavailable` with `replicas` while Redis cannot be
+    reached, reports reachability to `on_reachability`, counts errors through `on_error`, and
+    re-asserts `open_leases()` for `lease_seconds` when Redis comes back.
+    """
+
+    def redis() -> Ledger:
+        # Imported here: a memory-only deployment never loads the Redis client.
+        from kvguard.ledger.redis_ledger import RedisLedger
+        from kvguard.ledger.resilient import ResilientLedger
+
+        return ResilientLedger(
+            RedisLedger.from_url(url, cluster=cluster),
+            on_unavailable=on_unavailable,
+            replicas=replicas,
+            lease_seconds=lease_seconds,
+            on_reachability=on_reachability,
+            open_leases=open_leases,
+            on_error=on_error,
+        )
+
     backends: dict[str, Callable[[], Ledger]] = {
         "memory": lambda: MemoryLedger(clock=clock),
+        "redis": redis,
+        "rediss": redis,
     }
     scheme = url.split("://", 1)[0]
     if scheme not in backends:
-        raise ValueError(f"ledger url {url!r}: no backend for scheme {scheme!r} yet")
+        raise ValueError(f"ledger url {url!r}: no backend for scheme {scheme!r}")
     return backends[scheme]()

@@ -55,7 +55,10 @@ class Harness:
         answers = [await call.read()]
         if raw is not None and answers[0].WhichOneof("response") != "immediate_response":
             await call.write(body(raw))
-            answers.append(await call.read())
+            # A slow decision is preceded by a request for more time, as Envoy allows.
+            while (answer := await call.read()).WhichOneof("response") is None:
+                assert answer.HasField("override_message_timeout"), answer
+            answers.append(answer)
         await call.done_writing()
         return answers
 

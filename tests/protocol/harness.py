@@ -77,12 +77,16 @@ def response_headers(status: int) -> pb.ProcessingRequest:
 
 
 async def exchange(stub: Any, *messages: pb.ProcessingRequest) -> tuple[Any, list[Any]]:
-    """Send messages one at a time, reading one answer each (as Envoy does)."""
+    """Send messages one at a time, reading one answer each (as Envoy does: a request for
+    more time, override_message_timeout, is not an answer)."""
     call = stub.Process()
     answers = []
     for message in messages:
         await call.write(message)
-        answers.append(await call.read())
+        answer = await call.read()
+        while answer is not grpc.aio.EOF and answer.HasField("override_message_timeout"):
+            answer = await call.read()
+        answers.append(answer)
     return call, answers
 
 

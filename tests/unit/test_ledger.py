@@ -1,30 +1,121 @@
-"""One contract suite for every ledger backend, plus a concurrency check."""
+"""One contract suite for every ledger backend: the memory ledger, a real redis-server and a
+real 3-master Redis Cluster (both started here on free loopback ports), plus what only Redis has
+(one round trip per operation, NOSCRIPT, epochs).
+
+Time: the memory ledger runs on an injected clock that the tests move; Redis runs on its own
+`TIME`, so there the tests use short real leases and wait until Redis's clock reaches a point
+(a condition with a deadline). MARGIN covers the moment between reading the clock and the
+script running.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any, Protocol
 
 import pytest
 
+from kvguard.leases import LeaseKeeper
 from kvguard.ledger import Claim, Lease, Ledger, Outcome
+from kvguard.ledger.memory import MemoryLedger
+from kvguard.ledger.redis_ledger import RedisLedger, load_script, pool_keys
+from kvguard.ledger.resilient import ResilientLedger, local_share
 from kvguard.ledger.url import from_url
+from kvguard.testing.redis import RedisCluster, RedisServer
+
+MARGIN_S = 0.25
+DEADLINE_S = 10.0
+# The contract is about semantics: a patient client, so that a loaded machine cannot turn a slow
+# answer into LedgerUnavailable (fast failure has tests of its own).
+PATIENT_S = 5.0
+
+
+class LedgerClock(Protocol):
+    async def now(self) -> float: ...
+
+    async def reach(self, t: float) -> None:
+        """Return once the ledger's clock reads at least `t` (seconds)."""
 
 
 class Clock:
+    """The memory ledger's injected clock: moves only when a test moves it."""
+
     def __init__(self) -> None:
-        self.now = 1000.0
+        self.t = 1000.0
 
     def __call__(self) -> float:
-        return self.now
+        return self.t
+
+    async def now(self) -> float:
+        return self.t
+
+    async def reach(self, t: float) -> None:
+        self.t = max(self.t, t)
 
 
-LEDGER_URLS = ["memory://"]
+class RedisClock:
+    """Redis TIME, the clock the scripts use."""
+
+    def __init__(self, ledger: RedisLedger) -> None:
+        self._ledger = ledger
+
+    async def now(self) -> float:
+        return await self._ledger.time()
+
+    async def reach(self, t: float) -> None:
+        deadline = time.monotonic() + DEADLINE_S
+        while await self._ledger.time() < t:
+            assert time.monotonic() < deadline, f"Redis TIME did not reach {t}"
+            await asyncio.sleep(0.01)
+
+
+LEDGER_URLS = ["memory://", "redis", "redis-cluster"]
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    with RedisCluster(tmp_path_factory.mktemp("redis-cluster")) as cluster:
+        yield cluster
 
 
 @pytest.fixture(params=LEDGER_URLS)
-def clock_and_ledger(request: pytest.FixtureRequest) -> tuple[Clock, Ledger]:
-    clock = Clock()
-    return clock, from_url(request.param, clock=clock)
+async def clock_and_ledger(
+    request: pytest.FixtureRequest,
+) -> AsyncIterator[tuple[LedgerClock, Ledger]]:
+    if request.param == "memory://":
+        clock = Clock()
+        yield clock, from_url(request.param, clock=clock)
+        return
+    cluster = request.param == "redis-cluster"
+    redis: Any = request.getfixturevalue("redis_cluster" if cluster else "redis_server")
+    redis.flushall()
+    ledger = ResilientLedger(RedisLedger.from_url(redis.url, cluster=cluster, timeout_s=PATIENT_S))
+    try:
+        yield RedisClock(ledger.primary), ledger
+    finally:
+        await ledger.close()
+
+
+@pytest.fixture(params=["redis", "redis-cluster"])
+async def redis_ledger(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Any, RedisLedger]]:
+    """A bare RedisLedger and the server (or cluster) it talks to."""
+    cluster = request.param == "redis-cluster"
+    redis: Any = request.getfixturevalue("redis_cluster" if cluster else "redis_server")
+    redis.flushall()
+    ledger = RedisLedger.from_url(redis.url, cluster=cluster, timeout_s=PATIENT_S)
+    try:
+        yield redis, ledger
+    finally:
+        await ledger.close()
 
 
 def claim(
@@ -45,6 +136,8 @@ async def test_admits_within_limits_and_counts_per_tenant(clock_and_ledger) -> N
     first = await ledger.reserve(claim("1", 40, tenant="a"))
     second = await ledger.reserve(claim("2", 30, tenant="b"))
     assert first.outcome is Outcome.ADMITTED and second.outcome is Outcome.ADMITTED
+    assert (second.pool_reserved, second.tenant_reserved) == (70, 30)
+    assert second.lease == Lease("2", "p", "b", 30)
     usage = await ledger.usage("p")
     assert (usage.reserved, usage.leases, usage.tenants) == (70, 2, {"a": 40, "b": 30})
 
@@ -55,6 +148,7 @@ async def test_tenant_quota_refuses_before_the_pool_is_full(clock_and_ledger) ->
     refused = await ledger.reserve(claim("2", 11))
     assert refused.outcome is Outcome.TENANT_QUOTA
     assert refused.lease is None
+    assert (refused.pool_reserved, refused.tenant_reserved) == (50, 50)
     assert (await ledger.reserve(claim("3", 10))).outcome is Outcome.ADMITTED  # exactly 60
 
 
@@ -68,6 +162,27 @@ async def test_pool_limit_refuses_any_tenant(clock_and_ledger) -> None:
     assert (await ledger.usage("p")).reserved == 100
 
 
+async def test_impossible_claims_are_refused_and_record_nothing(clock_and_ledger) -> None:
+    _, ledger = clock_and_ledger
+    over_quota = await ledger.reserve(claim("1", 61))
+    over_limit = await ledger.reserve(claim("2", 101, quota=500))
+    assert (over_quota.outcome, over_limit.outcome) == (
+        Outcome.TENANT_QUOTA,
+        Outcome.POOL_WATERMARK,
+    )
+    usage = await ledger.usage("p")
+    assert (usage.reserved, usage.leases, usage.tenants) == (0, 0, {})
+
+
+async def test_a_retried_reserve_is_counted_once(clock_and_ledger) -> None:
+    _, ledger = clock_and_ledger
+    first = await ledger.reserve(claim("same", 40))
+    again = await ledger.reserve(claim("same", 40))
+    assert first.outcome is Outcome.ADMITTED and again.outcome is Outcome.ADMITTED
+    assert again.lease == first.lease
+    assert (await ledger.usage("p")).reserved == 40
+
+
 async def test_release_is_idempotent(clock_and_ledger) -> None:
     _, ledger = clock_and_ledger
     lease = (await ledger.reserve(claim("1", 40))).lease
@@ -79,27 +194,65 @@ async def test_release_is_idempotent(clock_and_ledger) -> None:
     assert (usage.reserved, usage.leases, usage.tenants) == (0, 0, {})
 
 
+async def test_tenant_names_survive_any_characters(clock_and_ledger) -> None:
+    _, ledger = clock_and_ledger
+    odd = "org:42/tëam {x}"
+    lease = (await ledger.reserve(claim("1", 7, tenant=odd))).lease
+    assert (await ledger.usage("p")).tenants == {odd: 7}
+    assert lease is not None
+    await ledger.release(lease)
+    assert (await ledger.usage("p")).tenants == {}
+
+
 async def test_expired_leases_are_reclaimed_by_the_next_reserve(clock_and_ledger) -> None:
     clock, ledger = clock_and_ledger
-    await ledger.reserve(claim("old", 60, lease_s=10))
-    clock.now += 9.9
+    t0 = await clock.now()
+    await ledger.reserve(claim("old", 60, lease_s=1))
     assert (await ledger.reserve(claim("new", 10))).outcome is Outcome.TENANT_QUOTA
-    clock.now += 0.2
+    await clock.reach(t0 + 1 + MARGIN_S)
     assert (await ledger.reserve(claim("new", 10))).outcome is Outcome.ADMITTED
-    assert (await ledger.usage("p")).reserved == 10
+    usage = await ledger.usage("p")
+    assert (usage.reserved, usage.leases) == (10, 1)
 
 
 async def test_renew_keeps_a_lease_alive(clock_and_ledger) -> None:
     clock, ledger = clock_and_ledger
-    lease = (await ledger.reserve(claim("1", 60, lease_s=10))).lease
+    t0 = await clock.now()
+    lease = (await ledger.reserve(claim("1", 60, lease_s=2))).lease
     assert lease is not None
-    clock.now += 8
-    assert await ledger.renew(lease, 10)
-    clock.now += 8
+    await clock.reach(t0 + 1.2)
+    assert await ledger.renew(lease, 2)
+    await clock.reach(t0 + 2 + MARGIN_S)  # past the first expiry, before the renewed one
     assert (await ledger.usage("p")).reserved == 60
-    clock.now += 3
-    assert (await ledger.usage("p")).reserved == 0
-    assert not await ledger.renew(lease, 10)
+    await clock.reach(t0 + 1.2 + 2 + MARGIN_S)
+    assert (await ledger.usage("p")).reserved == 0  # usage reclaims expired leases itself
+    assert not await ledger.renew(lease, 2)
+
+
+async def test_reassert_records_lost_leases_once_and_without_checks(clock_and_ledger) -> None:
+    _, ledger = clock_and_ledger
+    kept = (await ledger.reserve(claim("kept", 50))).lease
+    lost = (await ledger.reserve(claim("lost", 40, tenant="b"))).lease
+    assert kept is not None and lost is not None
+    await ledger.release(lost)  # the ledger lost it (as a Redis that restarted empty would)
+    big = Lease("big", "p", "c", 90)  # a running request, whatever the limits say
+    assert await ledger.reassert([kept, lost, big], 30) == 2
+    assert await ledger.reassert([kept, lost, big], 30) == 0  # idempotent
+    usage = await ledger.usage("p")
+    assert (usage.reserved, usage.leases) == (180, 3)
+    assert usage.tenants == {"a": 50, "b": 40, "c": 90}
+    assert (await ledger.reserve(claim("more", 1, tenant="d"))).outcome is Outcome.POOL_WATERMARK
+
+
+async def test_reassert_renews_held_leases(clock_and_ledger) -> None:
+    clock, ledger = clock_and_ledger
+    t0 = await clock.now()
+    lease = (await ledger.reserve(claim("1", 20, lease_s=1))).lease
+    assert lease is not None
+    await clock.reach(t0 + 0.5)
+    assert await ledger.reassert([lease], 2) == 0
+    await clock.reach(t0 + 1 + MARGIN_S)
+    assert (await ledger.usage("p")).reserved == 20
 
 
 async def test_pools_are_independent(clock_and_ledger) -> None:
@@ -107,6 +260,7 @@ async def test_pools_are_independent(clock_and_ledger) -> None:
     assert (await ledger.reserve(claim("1", 60, pool="p"))).outcome is Outcome.ADMITTED
     assert (await ledger.reserve(claim("2", 60, pool="q"))).outcome is Outcome.ADMITTED
     assert (await ledger.usage("q")).tenants == {"a": 60}
+    assert (await ledger.usage("p")).tenants == {"a": 60}
 
 
 async def test_concurrent_reserves_admit_exactly_what_fits(clock_and_ledger) -> None:
@@ -116,4 +270,147 @@ async def test_concurrent_reserves_admit_exactly_what_fits(clock_and_ledger) -> 
     )
     admitted = [r for r in results if r.outcome is Outcome.ADMITTED]
     assert len(admitted) == 100 // 7
+    assert max(r.pool_reserved for r in results) == 7 * (100 // 7)
     assert (await ledger.usage("p")).reserved == 7 * (100 // 7)
+
+
+async def test_the_keeper_renews_by_reasserting_its_open_leases(clock_and_ledger) -> None:
+    _, ledger = clock_and_ledger
+    keeper = LeaseKeeper(ledger, 30)
+    leases = []
+    for i, pool in enumerate(["p", "p", "q"]):
+        lease = (await ledger.reserve(claim(str(i), 10, pool=pool))).lease
+        assert lease is not None
+        keeper.hold(lease)
+        leases.append(lease)
+    await ledger.release(leases[0])  # lost by the ledger while its stream is still open
+    keeper.release(leases[1])  # its stream ended
+    await keeper.settle()
+    assert await keeper.renew_all() == 1
+    assert await keeper.renew_all() == 0
+    assert ((await ledger.usage("p")).reserved, (await ledger.usage("q")).reserved) == (10, 10)
+    assert [lease.lease_id for lease in keeper.snapshot()] == ["0", "2"]
+
+
+def test_the_local_share_rounds_down() -> None:
+    assert [local_share(850, r) for r in (1, 2, 3, 1000)] == [850, 425, 283, 0]
+
+
+def test_memory_expiry_is_exact() -> None:
+    clock = Clock()
+    ledger = MemoryLedger(clock)
+
+    async def scenario() -> list[Outcome]:
+        await ledger.reserve(claim("old", 60, lease_s=10))
+        clock.t += 9.9
+        before = (await ledger.reserve(claim("new", 10))).outcome
+        clock.t += 0.1  # expiry is inclusive: at exactly now + lease_seconds it is gone
+        after = (await ledger.reserve(claim("new", 10))).outcome
+        return [before, after]
+
+    assert asyncio.run(scenario()) == [Outcome.TENANT_QUOTA, Outcome.ADMITTED]
+
+
+# -- what only Redis has ------------------------------------------------------------------------
+
+
+def test_scripts_name_their_keys_arguments_and_return_value() -> None:
+    for name in ("reserve", "release", "renew", "reassert", "usage"):
+        script = load_script(name)
+        header = script.source.split("--#include", 1)[0]
+        assert header.startswith(f"-- {name}:"), name
+        for word in ("KEYS", "ARGV", "Returns"):
+            assert word in header, (name, word)
+        assert "lib.lua" not in script.source.split("\n", 30)[-1]  # the include was expanded
+        assert "local function reclaim" in script.source
+
+
+def test_every_key_of_a_pool_shares_its_hash_tag() -> None:
+    keys = pool_keys("qwen-7b")
+    assert len(set(keys)) == 5
+    assert all(key.split("{", 1)[1].split("}", 1)[0] == "qwen-7b" for key in keys)
+
+
+def _commandstats(redis: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    nodes = redis.nodes if isinstance(redis, RedisCluster) else [redis]
+    for node in nodes:
+        for line in node.cli("info", "commandstats").splitlines():
+            if line.startswith("cmdstat_"):
+                name, stats = line.removeprefix("cmdstat_").split(":", 1)
+                calls = int(stats.split(",")[0].removeprefix("calls="))
+                out[name] = out.get(name, 0) + calls
+    return out
+
+
+def _reset_stats(redis: Any) -> None:
+    for node in redis.nodes if isinstance(redis, RedisCluster) else [redis]:
+        node.cli("config", "resetstat")
+
+
+async def test_one_round_trip_per_admission_and_per_release(redis_ledger) -> None:
+    redis, ledger = redis_ledger
+    await ledger.start()  # scripts registered once per client
+    await ledger.usage("p")  # connections opened, cluster slots discovered
+    _reset_stats(redis)
+    lease = (await ledger.reserve(claim("1", 10))).lease
+    assert lease is not None
+    await ledger.release(lease)
+    stats = _commandstats(redis)
+    assert stats.get("evalsha") == 2, stats
+    assert "eval" not in stats and "script|load" not in stats, stats
+
+
+async def test_renewing_many_leases_is_one_call_per_pool(redis_ledger) -> None:
+    redis, ledger = redis_ledger
+    leases = []
+    for i in range(30):
+        lease = (await ledger.reserve(claim(str(i), 1, pool="pq"[i % 2], quota=100))).lease
+        assert lease is not None
+        leases.append(lease)
+    _reset_stats(redis)
+    assert await ledger.reassert(leases, 30) == 0
+    assert _commandstats(redis).get("evalsha") == 2
+
+
+async def test_a_redis_without_the_scripts_runs_them_anyway(redis_ledger) -> None:
+    redis, ledger = redis_ledger
+    await ledger.start()
+    for node in redis.nodes if isinstance(redis, RedisCluster) else [redis]:
+        node.cli("script", "flush")
+    _reset_stats(redis)
+    assert (await ledger.reserve(claim("1", 10))).outcome is Outcome.ADMITTED
+    assert (await ledger.reserve(claim("2", 10))).outcome is Outcome.ADMITTED
+    stats = _commandstats(redis)
+    # NOSCRIPT once, then EVAL (which caches it), then EVALSHA again.
+    assert (stats.get("evalsha"), stats.get("eval")) == (2, 1), stats
+    assert (await ledger.usage("p")).reserved == 20
+
+
+async def test_a_pool_whose_state_vanished_is_reported_once(redis_ledger) -> None:
+    redis, ledger = redis_ledger
+    resets: list[str] = []
+    ledger.on_reset = resets.append
+    await ledger.reserve(claim("1", 10, pool="p"))
+    await ledger.reserve(claim("2", 10, pool="q"))
+    await ledger.check(["p", "q"])
+    assert resets == []
+    redis.flushall()  # what a restart without persistence leaves
+    await ledger.check(["p"])
+    assert resets == ["p"]
+    await ledger.reserve(claim("3", 10, pool="q"))  # a new epoch, written by this reserve
+    assert resets == ["p", "q"]
+
+
+async def test_redis_errors_are_fast_and_unavailable(tmp_path: Path) -> None:
+    from kvguard.ledger import LedgerUnavailable
+
+    server = RedisServer(tmp_path / "gone")  # never started: connections are refused
+    ledger = RedisLedger.from_url(server.url)
+    try:
+        started = time.monotonic()
+        with pytest.raises(LedgerUnavailable):
+            await ledger.reserve(claim("1", 10))
+        assert time.monotonic() - started < 1.0
+    finally:
+        await ledger.close()

@@ -21,6 +21,7 @@ from tokenizers import Tokenizer
 
 from kvguard.chat_messages import lax_bool
 from kvguard.chat_template import ChatTemplate, detect_content_format
+from kvguard.counting import count_prompts
 from kvguard.errors import Refusal
 from kvguard.request import add_special_tokens, parse
 from kvguard.tokenizer import PoolTokenizer, TokenizerError
@@ -563,9 +564,12 @@ def test_chat_matches_transformers(qwen: PoolTokenizer, qwen_hf: Any, case: Case
     )
     assert prompt == expected
     special = lax_bool(request.get("add_special_tokens", False), "add_special_tokens")
-    assert qwen.count(prompt, special) == len(
-        qwen_hf(expected, add_special_tokens=special)["input_ids"]
-    )
+    count = len(qwen_hf(expected, add_special_tokens=special)["input_ids"])
+    assert qwen.count(prompt, special) == count
+    # The entry point admission uses, on the parsed request, inline and on the pool's path.
+    parsed = parse("chat", json.dumps(request).encode())
+    assert count_prompts(qwen, parsed, batch=False) == [count]
+    assert count_prompts(qwen, parsed, batch=True) == [count]
 
 
 COMPLETIONS = [
@@ -592,6 +596,11 @@ def test_completion_counts_match_transformers(
     expected = [len(hf(text, add_special_tokens=special)["input_ids"]) for text in COMPLETIONS]
     assert [mine.count(text, special) for text in COMPLETIONS] == expected
     assert mine.count_many(COMPLETIONS, special) == expected
+    # One batch request through count_prompts ("" alone is refused: see test_counting).
+    kept = [(t, n) for t, n in zip(COMPLETIONS, expected, strict=True) if t]
+    body = {"model": "m", "prompt": [t for t, _ in kept], "add_special_tokens": special}
+    parsed = parse("completion", json.dumps(body).encode())
+    assert count_prompts(mine, parsed, batch=True) == [n for _, n in kept]
 
 
 def test_special_tokens_per_model(qwen: PoolTokenizer, llama: PoolTokenizer) -> None:

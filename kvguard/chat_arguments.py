@@ -1,0 +1,103 @@
+"""A chat request's template arguments, merged as vLLM merges them:
+`ChatCompletionRequest.build_chat_params` and `OnlineRenderer.preprocess_chat`
+(vllm/renderers/params.py `merge_kwargs`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvguard.chat_messages import TokenizerError, lax_bool
+
+_REASONING_EFFORTS = frozenset({"none", "minimal", "low", "medium", "high", "xhigh", "max"})
+# apply_chat_template's own parameters: it consumes them, the template never sees them.
+_CALL_PARAMETERS = (
+    "chat_template",
+    "tokenize",
+    "padding",
+    "truncation",
+    "max_length",
+    "return_tensors",
+    "return_dict",
+    "tokenizer_kwargs",
+    "sanitize_control_tokens",
+    "return_assistant_tokens_mask",
+)
+
+
+@dataclass(frozen=True)
+class TemplateArguments:
+    tools: list[Any] | None
+    documents: list[Any] | None
+    add_generation_prompt: bool
+    continue_final_message: bool
+    variables: dict[str, Any]
+
+
+def _unset(value: object) -> bool:
+    # vLLM's merge_kwargs drops these when it merges (renderers/params.py).
+    return value is None or (isinstance(value, str) and value == "auto")
+
+
+def template_arguments(request: Mapping[str, Any], tools: list[Any] | None) -> TemplateArguments:
+    """What vLLM hands the template for this chat body (`tools` already normalised).
+    Raises TokenizerError where vLLM answers 400."""
+    kwargs = request.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise TokenizerError("chat_template_kwargs must be an object")
+    if request.get("chat_template") is not None or kwargs.get("chat_template") is not None:
+        raise TokenizerError(
+            "a chat template sent with the request is refused "
+            "(vLLM accepts one only with --trust-request-chat-template)"
+        )
+    add_generation_prompt = lax_bool(
+        request.get("add_generation_prompt", True), "add_generation_prompt"
+    )
+    continue_final = lax_bool(
+        request.get("continue_final_message", False), "continue_final_message"
+    )
+    if add_generation_prompt and continue_final:
+        raise TokenizerError(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+        )
+    effort = request.get("reasoning_effort")
+    if effort is not None and not (isinstance(effort, str) and effort in _REASONING_EFFORTS):
+        raise TokenizerError(f"reasoning_effort must be one of {sorted(_REASONING_EFFORTS)}")
+    extra: dict[str, Any] = {
+        "add_generation_prompt": add_generation_prompt,
+        "continue_final_message": continue_final,
+        "documents": request.get("documents"),
+        "reasoning_effort": effort,
+    }
+    if effort is not None and "enable_thinking" not in kwargs:
+        extra["enable_thinking"] = effort != "none"
+    # build_chat_params: the request's own fields override chat_template_kwargs, which in turn
+    # override the request's tools (preprocess_chat's defaults).
+    inner = kwargs | {k: v for k, v in extra.items() if not _unset(v)}
+    merged = ({} if tools is None else {"tools": tools}) | {
+        k: v for k, v in inner.items() if not _unset(v)
+    }
+    if (
+        "conversation" in merged
+        or merged.get("sanitize_control_tokens")
+        or merged.get("return_assistant_tokens_mask")
+    ):
+        raise TokenizerError(
+            "chat_template_kwargs sets an apply_chat_template option that "
+            "fails without tokenization"
+        )
+    for key in _CALL_PARAMETERS:
+        merged.pop(key, None)
+    tools, documents = merged.pop("tools", None), merged.pop("documents", None)
+    for name, value in (("tools", tools), ("documents", documents)):
+        if value is not None and not isinstance(value, list):
+            raise TokenizerError(f"{name} must be an array")
+    return TemplateArguments(
+        tools,
+        documents,
+        bool(merged.pop("add_generation_prompt")),
+        bool(merged.pop("continue_final_message")),
+        merged,
+    )

@@ -1,0 +1,27 @@
+-- reassert: make the ledger hold leases that a process knows are in use (its open streams),
+-- idempotently: a lease already held is renewed, a missing one (Redis restarted empty, or it
+-- expired while its stream was still open, or it was taken on the local fallback ledger during
+-- an outage) is recorded again WITHOUT limit checks: its request is running whatever the limits
+-- say, and the ledger must count it.
+-- KEYS: leases, expiries, tenants, reserved, epoch of one pool (see lib.lua), hash-tagged {pool}.
+-- ARGV[1] lease time (ms); then one triple per lease: ARGV[2+3i] lease id, ARGV[3+3i] tenant,
+--   ARGV[4+3i] blocks.
+-- Returns {leases recorded again, pool reserved (blocks) after this step, epoch}.
+--#include lib.lua
+
+local lease_ms = positive_int(ARGV[1], 'lease time (ms)')
+local now = now_ms()
+reclaim(now)
+local current = epoch()
+local added = 0
+for i = 2, #ARGV, 3 do
+  local lease_id, tenant = ARGV[i], ARGV[i + 1]
+  local blocks = positive_int(ARGV[i + 2], 'blocks')
+  if redis.call('HEXISTS', KEYS[1], lease_id) == 1 then
+    redis.call('ZADD', KEYS[2], 'XX', now + lease_ms, lease_id)
+  else
+    record(lease_id, tenant, blocks, now + lease_ms)
+    added = added + 1
+  end
+end
+return {added, pool_reserved(), current}

@@ -1,0 +1,261 @@
+"""The shared ledger: Redis (or Redis Cluster), one Lua script call per operation.
+
+Every operation is one EVALSHA of a script in kvguard/ledger/lua/ (one round trip; EVAL, which
+also caches the script, only after a NOSCRIPT answer, e.g. from a Redis that restarted). All keys
+of a pool carry the hash tag `{pool}`, so each script touches one Redis Cluster slot. Expiry uses
+Redis `TIME` inside the scripts: one clock for every replica.
+
+Errors that mean "Redis cannot be reached" (refused or broken connections, timeouts, a cluster
+that is down, a connection pool that stays exhausted) raise `LedgerUnavailable`, quickly: the
+sockets time out after `SOCKET_TIMEOUT_S` and a free connection is awaited for `POOL_WAIT_S` at
+most. Deciding what to do then is `ResilientLedger`'s job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib.resources
+import re
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+import redis.exceptions as rexc
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from kvguard.ledger import Claim, Lease, LedgerUnavailable, Outcome, PoolUsage, Reservation
+
+# Fast failure: a healthy Redis on the same network answers in well under a millisecond, so a
+# quarter of a second without an answer means it is gone (or drowning), and the request should
+# get `on_unavailable` now rather than wait.
+SOCKET_TIMEOUT_S = 0.25
+CONNECT_TIMEOUT_S = 0.25
+# Connections per process (per node for a cluster): concurrency is bounded, and a burst beyond
+# it waits this long for a free connection before it counts as "unavailable".
+MAX_CONNECTIONS = 64
+POOL_WAIT_S = 0.25
+# Leases per reassert/renew script call: long argument lists would make one call block Redis.
+ASSERT_CHUNK = 500
+
+# One immediate retry, on a connection error only: a Redis that restarted leaves every pooled
+# connection broken, and the first use of each fails at once. Every script is idempotent (a
+# reserve retried with the same lease id is not counted twice), so a retry is always safe.
+# Timeouts are not retried: they already took SOCKET_TIMEOUT_S.
+_RETRY_ERRORS: tuple[type[rexc.RedisError], ...] = (rexc.ConnectionError,)
+
+UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
+    rexc.ConnectionError,  # includes BusyLoadingError, MaxConnectionsError, pool exhaustion
+    rexc.TimeoutError,
+    rexc.ClusterDownError,  # includes MasterDownError
+    rexc.TryAgainError,
+    rexc.ReadOnlyError,  # a failover turned the node into a replica
+    rexc.RedisClusterException,  # no node reachable, slot not covered
+    OSError,
+    TimeoutError,
+)
+
+_OUTCOMES = {0: Outcome.ADMITTED, 1: Outcome.TENANT_QUOTA, 2: Outcome.POOL_WATERMARK}
+_INCLUDE = re.compile(r"^--#include (\S+)$", re.MULTILINE)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Script:
+    name: str
+    source: str  # with lib.lua included
+    sha: str  # SHA1 of `source`, as EVALSHA names it
+
+
+def load_script(name: str) -> Script:
+    """Read kvguard/ledger/lua/NAME.lua (package data) and expand its `--#include` lines."""
+    folder = importlib.resources.files("kvguard.ledger").joinpath("lua")
+
+    def include(match: re.Match[str]) -> str:
+        return folder.joinpath(match.group(1)).read_text(encoding="utf-8")
+
+    source = _INCLUDE.sub(include, folder.joinpath(f"{name}.lua").read_text(encoding="utf-8"))
+    return Script(name, source, hashlib.sha1(source.encode()).hexdigest())
+
+
+SCRIPT_NAMES = ("reserve", "release", "renew", "reassert", "usage")
+
+
+def pool_keys(pool: str) -> list[str]:
+    """KEYS of the scripts for `pool`: leases, expiries, tenants, reserved, epoch (lib.lua)."""
+    tag = f"kvguard:{{{pool}}}"
+    return [f"{tag}:leases", f"{tag}:expiries", f"{tag}:tenants", f"{tag}:reserved", f"{tag}:epoch"]
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def connect(url: str, *, cluster: bool = False, timeout_s: float | None = None) -> Any:
+    """A redis-py asyncio client for `url` (redis:// or rediss://) with kvguard's fast-failure
+    settings; `cluster`: the URL names a seed node of a Redis Cluster. `timeout_s` replaces the
+    socket, connect and pool-wait timeouts (tools and tests that value patience over speed)."""
+    retry = Retry(NoBackoff(), 1, supported_errors=_RETRY_ERRORS)
+    settings: dict[str, Any] = {
+        "socket_timeout": timeout_s or SOCKET_TIMEOUT_S,
+        "socket_connect_timeout": timeout_s or CONNECT_TIMEOUT_S,
+        "retry": retry,
+    }
+    if cluster:
+        # Per node; redis-py's cluster client has no blocking pool: past the bound it fails at
+        # once with MaxConnectionsError, which counts as unavailable.
+        return RedisCluster.from_url(url, max_connections=MAX_CONNECTIONS, **settings)
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=MAX_CONNECTIONS, timeout=timeout_s or POOL_WAIT_S, **settings
+    )
+    return aioredis.Redis.from_pool(pool)
+
+
+class RedisLedger:
+    """A Ledger on Redis or Redis Cluster, shared by every kvguard process of a deployment.
+
+    `on_reset(pool)` is called when a pool's epoch changes under this process (Redis restarted
+    empty, or was flushed): the process must then re-assert its open leases of that pool.
+    """
+
+    def __init__(self, client: Any, *, on_reset: Callable[[str], None] | None = None) -> None:
+        self._client = client
+        # redis-py's asyncio cluster client breaks when concurrent commands find it
+        # uninitialised (each starts its own discovery and they close each other's
+        # connections): discover once, under a lock, before any command, and again after an
+        # error (which makes redis-py rediscover).
+        self._cluster = isinstance(client, RedisCluster)
+        self._needs_discovery = self._cluster
+        self._discovery = asyncio.Lock()
+        self._scripts = {name: load_script(name) for name in SCRIPT_NAMES}
+        self._epochs: dict[str, str] = {}
+        self.on_reset = on_reset
+
+    @classmethod
+    def from_url(
+        cls, url: str, *, cluster: bool = False, timeout_s: float | None = None
+    ) -> RedisLedger:
+        return cls(connect(url, cluster=cluster, timeout_s=timeout_s))
+
+    async def _call(self, op: Callable[[], Awaitable[T]]) -> T:
+        try:
+            if self._needs_discovery:
+                async with self._discovery:
+                    if self._needs_discovery:
+                        await self._client.initialize()
+                        self._needs_discovery = False
+            return await op()
+        except UNAVAILABLE_ERRORS as exc:
+            self._needs_discovery = self._cluster
+            raise LedgerUnavailable(f"{type(exc).__name__}: {exc}") from exc
+
+    async def _run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        script = self._scripts[name]
+
+        async def op() -> Any:
+            try:
+                return await self._client.evalsha(script.sha, len(keys), *keys, *args)
+            except rexc.NoScriptError:
+                # Redis restarted or flushed its script cache: EVAL runs and caches it again.
+                return await self._client.eval(script.source, len(keys), *keys, *args)
+
+        return await self._call(op)
+
+    async def start(self) -> None:
+        """Register every script on every node (SCRIPT LOAD); raise LedgerUnavailable."""
+        for script in self._scripts.values():
+            await self._call(partial(self._client.script_load, script.source))
+
+    def _saw_epoch(self, pool: str, epoch: Any) -> None:
+        value = _text(epoch)
+        if not value:
+            return
+        before = self._epochs.get(pool)
+        self._epochs[pool] = value
+        if before is not None and before != value and self.on_reset is not None:
+            self.on_reset(pool)
+
+    async def reserve(self, claim: Claim) -> Reservation:
+        outcome, pool_reserved, tenant_reserved, epoch = await self._run(
+            "reserve",
+            pool_keys(claim.pool),
+            (
+                claim.lease_id,
+                claim.tenant,
+                claim.blocks,
+                claim.pool_limit,
+                claim.tenant_quota,
+                _ms(claim.lease_seconds),
+            ),
+        )
+        self._saw_epoch(claim.pool, epoch)
+        result = _OUTCOMES[int(outcome)]
+        lease = None
+        if result is Outcome.ADMITTED:
+            lease = Lease(claim.lease_id, claim.pool, claim.tenant, claim.blocks)
+        return Reservation(result, int(pool_reserved), int(tenant_reserved), lease)
+
+    async def release(self, lease: Lease) -> None:
+        await self._run("release", pool_keys(lease.pool)[:4], (lease.lease_id,))
+
+    async def renew(self, lease: Lease, lease_seconds: float) -> bool:
+        renewed = await self._run(
+            "renew", pool_keys(lease.pool)[:4], (_ms(lease_seconds), lease.lease_id)
+        )
+        return bool(int(renewed[0]))
+
+    async def reassert(self, leases: Iterable[Lease], lease_seconds: float) -> int:
+        """Hold every lease (renewed, or recorded again without checks); one script call per
+        pool and ASSERT_CHUNK leases. Returns how many were recorded again."""
+        by_pool: defaultdict[str, list[Lease]] = defaultdict(list)
+        for lease in leases:
+            by_pool[lease.pool].append(lease)
+        added = 0
+        for pool, held in by_pool.items():
+            for start in range(0, len(held), ASSERT_CHUNK):
+                args: list[Any] = [_ms(lease_seconds)]
+                for lease in held[start : start + ASSERT_CHUNK]:
+                    args += [lease.lease_id, lease.tenant, lease.blocks]
+                count, _reserved, epoch = await self._run("reassert", pool_keys(pool), args)
+                added += int(count)
+                # Not a reset to report: this very call has just re-asserted the leases.
+                self._epochs[pool] = _text(epoch)
+        return added
+
+    async def usage(self, pool: str) -> PoolUsage:
+        reserved, leases, flat = await self._run("usage", pool_keys(pool)[:4], ())
+        tenants = {_text(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+        return PoolUsage(int(reserved), int(leases), tenants)
+
+    async def check(self, pools: Iterable[str]) -> None:
+        """Reach Redis (raise LedgerUnavailable) and report pools whose epoch changed."""
+        names = list(pools)
+        if not names:
+            await self._call(self._client.ping)
+            return
+        for pool in names:
+            epoch = await self._call(partial(self._client.get, pool_keys(pool)[4]))
+            if epoch is None:
+                if pool in self._epochs and self.on_reset is not None:
+                    del self._epochs[pool]
+                    self.on_reset(pool)  # state gone: nothing wrote since the restart
+            else:
+                self._saw_epoch(pool, epoch)
+
+    async def time(self) -> float:
+        """Redis TIME in seconds: the ledger's clock (tests wait on it)."""
+        seconds, micros = await self._call(self._client.time)
+        return int(seconds) + int(micros) / 1e6
+
+    async def close(self) -> None:
+        await self._client.aclose()

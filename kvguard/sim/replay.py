@@ -1,0 +1,146 @@
+"""Replay a trace against the engine model in simulated time (a discrete-event simulation).
+
+Time jumps from event to event: an engine step lasts its modelled cost, an idle engine waits
+for the next arrival. A request is decided when it arrives (by the gate, when there is one),
+joins the engine's waiting queue, and is picked up by the next step. Finished requests release
+their lease when their step ends. Every request asks for exactly its trace output
+(`ignore_eos`), as a trace replay does. Refused requests are not retried unless asked to.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvguard.admission import RETRY_AFTER_S
+from kvguard.errors import Code
+from kvguard.sim.engine import Engine, EngineConfig, Sequence
+from kvguard.sim.gate import PolicyGate, Verdict
+from kvguard.sim.metrics import Snapshot, snapshot
+from kvguard.sim.trace import TraceRequest
+
+MAX_SAMPLES = 2000  # timeline points kept for the plot
+
+
+@dataclass
+class Outcome:
+    """What became of one trace request."""
+
+    request: TraceRequest
+    verdict: Verdict  # the last decision (after any retries)
+    seq: Sequence | None = None  # None when refused
+    attempts: int = 1
+
+    @property
+    def ttft_s(self) -> float | None:
+        if self.seq is None or self.seq.first_token_at is None:
+            return None
+        return self.seq.first_token_at - self.request.arrival_s  # from the first attempt
+
+
+@dataclass
+class Run:
+    label: str
+    outcomes: list[Outcome] = field(default_factory=list)
+    timeline: list[Snapshot] = field(default_factory=list)
+    decisions: list[tuple[float, bool]] = field(default_factory=list)  # (time, admitted)
+    reserved: list[tuple[float, int]] = field(default_factory=list)  # ledger blocks (guarded)
+    end_s: float = 0.0
+    preemptions: int = 0
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def replay(
+    requests: list[TraceRequest],
+    config: EngineConfig,
+    gate_factory: Callable[[Callable[[], float]], PolicyGate] | None,
+    *,
+    label: str,
+    retries: int = 0,
+) -> Run:
+    """Run `requests` (sorted by arrival) through a fresh engine; guarded when a gate is made.
+
+    A request refused with a 429 comes back after `retry-after` seconds, `retries` times at
+    most; its TTFT counts from its first arrival.
+    """
+    clock = _Clock()
+    gate = gate_factory(clock) if gate_factory is not None else None
+    engine = Engine(config)
+    run = Run(label)
+    horizon = requests[-1].arrival_s if requests else 0.0
+    sample_every = max(horizon, 1.0) / MAX_SAMPLES * 2
+    next_sample = 0.0
+    open_leases: dict[str, Verdict] = {}
+    # (time, tie-breaker, request index, attempt): first arrivals, then retries as they come.
+    arrivals = [(r.arrival_s, i, i, 0) for i, r in enumerate(requests)]
+    heapq.heapify(arrivals)
+    order = itertools.count(len(requests))
+
+    async def arrive(at: float, index: int, attempt: int) -> None:
+        request = requests[index]
+        clock.now = at
+        if gate is None:
+            verdict = Verdict("", request.output_tokens)
+        else:
+            verdict = await gate.admit(request)
+        room = config.max_model_len - request.prompt_tokens
+        if verdict.refused is None and verdict.max_tokens > room:
+            # vLLM itself answers 400: prompt + max_tokens above max_model_len.
+            if gate is not None and verdict.lease is not None:
+                await gate.release(verdict.lease)
+            verdict = Verdict(verdict.tier, verdict.max_tokens, verdict.clamped,
+                              refused=Code.CONTEXT_LENGTH_EXCEEDED.value)  # fmt: skip
+        run.decisions.append((at, verdict.refused is None))
+        if (
+            verdict.refused is not None
+            and attempt < retries
+            and Code(verdict.refused).status == 429
+        ):
+            heapq.heappush(arrivals, (at + RETRY_AFTER_S, next(order), index, attempt + 1))
+            return
+        outcome = Outcome(request, verdict, attempts=attempt + 1)
+        run.outcomes.append(outcome)
+        if verdict.refused is not None:
+            return
+        outcome.seq = Sequence(
+            str(index), request.prompt_tokens, verdict.max_tokens, arrival=at, tenant=request.tenant
+        )
+        engine.add(outcome.seq)
+        open_leases[outcome.seq.uid] = verdict
+
+    now = 0.0
+    while arrivals or not engine.idle:
+        if engine.idle:
+            now = max(now, arrivals[0][0])
+        while arrivals and arrivals[0][0] <= now:
+            at, _, index, attempt = heapq.heappop(arrivals)
+            await arrive(at, index, attempt)
+        result = engine.step(now)
+        if result is None:
+            continue
+        # Arrivals during the step are decided at their own time and wait for the next step.
+        while arrivals and arrivals[0][0] < result.end:
+            at, _, index, attempt = heapq.heappop(arrivals)
+            await arrive(at, index, attempt)
+        now = clock.now = result.end
+        for seq in result.finished:
+            verdict = open_leases.pop(seq.uid)
+            if gate is not None and verdict.lease is not None:
+                await gate.release(verdict.lease)
+        if now >= next_sample or engine.idle:
+            run.timeline.append(snapshot(engine, now))
+            if gate is not None:
+                run.reserved.append((now, await gate.reserved()))
+            next_sample = now + sample_every
+    run.end_s = now
+    run.preemptions = engine.preemptions_total
+    return run

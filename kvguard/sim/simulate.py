@@ -1,0 +1,205 @@
+"""`kvguard simulate`: replay a trace with and without kvguard's policy and compare.
+
+The simulated pool is the configuration's pools[0]: its static capacity (usable blocks and
+block size; a discovered pool needs --blocks and --block-size), its watermark and
+max_model_len, and the tenancy's tiers. The engine's scheduling settings and step costs are
+options (defaults: vLLM's OpenAI-server defaults on GPUs under 70 GiB, max_num_seqs 256 and
+max_num_batched_tokens 2048 (H100/H200: 1024 and 8192), and rough 7-8B step costs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvguard import config as configs
+from kvguard.capacity import PoolCapacity
+from kvguard.sim.engine import EngineConfig, StepCost
+from kvguard.sim.gate import PolicyGate
+from kvguard.sim.replay import Run, replay
+from kvguard.sim.report import table
+from kvguard.sim.trace import Trace, TraceError, load
+
+DEFAULT_COST = StepCost()
+
+
+@dataclass(frozen=True)
+class Options:
+    trace: str
+    config: str
+    plot: str | None = None
+    rate_scale: float = 1.0
+    limit: int | None = None
+    blocks: int | None = None
+    block_size: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    cost: StepCost = DEFAULT_COST
+    prefix_caching: bool = False  # trace prompts share nothing
+    retries: int = 0  # times a request refused with a 429 comes back after retry-after
+
+
+def pool_capacity(config: configs.Config, options: Options) -> PoolCapacity:
+    capacity = config.pools[0].capacity
+    blocks = options.blocks or capacity.blocks
+    block_size = options.block_size or capacity.block_size
+    if blocks is None or block_size is None:
+        raise ValueError(
+            f"pools[0] ({config.pools[0].name}) discovers its capacity: give --blocks and "
+            "--block-size (vLLM's num_gpu_blocks - 1 and block_size)"
+        )
+    return PoolCapacity(blocks, block_size)
+
+
+def engine_config(config: configs.Config, capacity: PoolCapacity, options: Options) -> EngineConfig:
+    # vLLM refuses to start when max_model_len does not fit the cache: do the same here.
+    max_model_len = min(config.pools[0].max_model_len, capacity.blocks * capacity.block_size)
+    return EngineConfig(
+        num_gpu_blocks=capacity.blocks + 1,
+        block_size=capacity.block_size,
+        max_num_seqs=options.max_num_seqs,
+        max_num_batched_tokens=options.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_prefix_caching=options.prefix_caching,
+        cost=options.cost,
+    )
+
+
+async def compare(
+    trace: Trace,
+    config: configs.Config,
+    capacity: PoolCapacity,
+    engine: EngineConfig,
+    retries: int = 0,
+) -> tuple[Run, Run]:
+    unguarded = await replay(trace.requests, engine, None, label="unguarded")
+    guarded = await replay(
+        trace.requests,
+        engine,
+        lambda clock: PolicyGate(config, capacity, clock),
+        label="kvguard",
+        retries=retries,
+    )
+    return unguarded, guarded
+
+
+def describe(trace: Trace, options: Options, capacity: PoolCapacity, config: configs.Config,
+             engine: EngineConfig) -> str:  # fmt: skip
+    pool = config.pools[0]
+    cost = engine.cost
+    rate = len(trace.requests) / max(trace.duration_s, 1e-9)
+    tiers = ", ".join(
+        f"{name} (cap {t.max_tokens_cap}, {t.max_blocks} blocks)"
+        for name, t in config.tenancy.tiers.items()
+    )
+    return "\n".join(
+        [
+            f"trace {options.trace}: {trace.format}, {len(trace.requests)} requests from "
+            f"{len(trace.tenants)} tenant(s) over {trace.duration_s:.0f} s ({rate:.2f} req/s"
+            + (f", rate scale {options.rate_scale:g}" if options.rate_scale != 1 else "")
+            + ")",
+            f"pool {pool.name}: {capacity.blocks} blocks of {capacity.block_size} tokens, "
+            f"watermark {pool.watermark} (kvguard admits up to "
+            f"{capacity.limit(pool.watermark)} blocks), max_model_len {engine.max_model_len}",
+            f"tiers: {tiers}",
+            f"engine: max_num_seqs {engine.max_num_seqs}, max_num_batched_tokens "
+            f"{engine.max_num_batched_tokens}, step {cost.base_s * 1e3:g} ms + "
+            f"{cost.prefill_token_s * 1e3:g} ms/prefill token + "
+            f"{cost.decode_seq_s * 1e3:g} ms/decoding sequence",
+        ]
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = Options("", "")
+    parser.add_argument("--trace", required=True, help="azure2023 / vtc_lmsys CSV, or CSV/JSONL "
+                        "with arrival_s,[tenant,]prompt_tokens,output_tokens")  # fmt: skip
+    parser.add_argument("--config", required=True, help="kvguard YAML configuration")
+    parser.add_argument("--plot", help="write a PNG of KV usage and admissions over time")
+    parser.add_argument("--rate-scale", type=float, default=1.0,
+                        help="compress arrivals by this factor (2: twice the rate)")  # fmt: skip
+    parser.add_argument("--limit", type=int, help="replay only the first N requests")
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=0,
+        help="a request refused with a 429 comes back after retry-after (1 s), N times at most",
+    )
+    parser.add_argument("--blocks", type=int, help="usable KV blocks (default: pools[0])")
+    parser.add_argument("--block-size", type=int, help="tokens per block (default: pools[0])")
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        default=defaults.max_num_batched_tokens)  # fmt: skip
+    parser.add_argument(
+        "--step-cost",
+        default=",".join(
+            f"{v * 1e3:g}"
+            for v in (
+                defaults.cost.base_s,
+                defaults.cost.prefill_token_s,
+                defaults.cost.decode_seq_s,
+            )
+        ),
+        help="engine step cost in ms: BASE,PER_PREFILL_TOKEN,PER_DECODING_SEQUENCE",
+    )
+    parser.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="simulate vLLM's prefix caching (trace prompts share nothing)",
+    )
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    try:
+        base, prefill, decode = (float(v) / 1e3 for v in args.step_cost.split(","))
+    except ValueError:
+        print(
+            f"error: --step-cost {args.step_cost!r}: expected three numbers (ms)", file=sys.stderr
+        )
+        return 2
+    return run(
+        Options(
+            trace=args.trace,
+            config=args.config,
+            plot=args.plot,
+            rate_scale=args.rate_scale,
+            limit=args.limit,
+            blocks=args.blocks,
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            cost=StepCost(base, prefill, decode),
+            prefix_caching=args.prefix_caching,
+            retries=args.retries,
+        )
+    )
+
+
+def run(options: Options) -> int:
+    try:
+        config = configs.load(options.config)
+        capacity = pool_capacity(config, options)
+        trace = load(options.trace, limit=options.limit).scaled(options.rate_scale)
+        engine = engine_config(config, capacity, options)
+    except (configs.ConfigError, TraceError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(f"error: {options.config}: {exc}", file=sys.stderr)
+        return 1
+    print(describe(trace, options, capacity, config, engine) + "\n")
+    unguarded, guarded = asyncio.run(compare(trace, config, capacity, engine, options.retries))
+    tier_of = {t: config.tenancy.tier_of(t) or "" for t in trace.tenants}
+    print(table(unguarded, guarded, tier_of))
+    if options.plot:
+        try:
+            from kvguard.sim.plot import plot
+        except ImportError:
+            print("error: --plot needs matplotlib: pip install 'kvguard[plot]'", file=sys.stderr)
+            return 1
+        plot(Path(options.plot), unguarded, guarded, capacity, config.pools[0].watermark)
+        print(f"\nplot: {options.plot}")
+    return 0

@@ -1,0 +1,225 @@
+"""Offline checks of the deployment files: build the kustomizations with a real kubectl, validate
+resources against Kubernetes' and Istio's schemas, and turn EnvoyFilter patches into a bootstrap
+that a real Envoy can validate.
+
+Nothing here talks to a cluster. The Kubernetes schemas are the strict JSON schemas that
+`kubernetes-validate` ships; the Istio ones are generated from `cloudcoil-models-istio`
+(pydantic models generated from Istio's CRDs) and made strict (no unknown fields) here.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import subprocess
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import yaml
+
+from kvguard.testing.envoy import EXT_PROC_FILTER, KVGUARD_CLUSTER, http_filters, listener
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "k8s"
+KUBECTL = ROOT / ".cache" / "tools" / "kubectl"
+# The oldest Kubernetes the manifests are written for: native sidecars (initContainers with
+# restartPolicy: Always) are on by default from 1.29, the preStop `sleep` action from 1.30.
+KUBERNETES_VERSION = "1.30"
+# Every kustomization a user can apply (components are built through them).
+KUSTOMIZATIONS = (
+    "base",
+    "overlays/external-redis",
+    "overlays/istio-gateway",
+    "overlays/istio-sidecar",
+)
+
+Resource = dict[str, Any]
+
+
+def kubectl() -> Path:
+    if not KUBECTL.is_file():
+        raise FileNotFoundError(
+            f"{KUBECTL} is missing: run `make .cache/tools/kubectl` "
+            "(or `python tests/deploy/fetch_kubectl.py`)"
+        )
+    return KUBECTL
+
+
+def kustomize(directory: Path) -> list[Resource]:
+    """`kubectl kustomize DIRECTORY`, parsed; raises CalledProcessError with kustomize's message."""
+    result = subprocess.run(
+        [str(kubectl()), "kustomize", str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    if result.returncode != 0:
+        raise subprocess.CalledProcessError(
+            result.returncode, result.args, result.stdout, result.stderr
+        )
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+@functools.cache
+def build(name: str) -> tuple[Resource, ...]:
+    """The resources of k8s/NAME, built once per test session (treat them as read-only)."""
+    return tuple(kustomize(K8S / name))
+
+
+def find(resources: tuple[Resource, ...] | list[Resource], kind: str, name: str) -> Resource:
+    matches = [r for r in resources if r["kind"] == kind and r["metadata"]["name"] == name]
+    assert len(matches) == 1, f"expected one {kind}/{name}, found {len(matches)}"
+    return matches[0]
+
+
+def of_kind(resources: tuple[Resource, ...] | list[Resource], kind: str) -> list[Resource]:
+    return [r for r in resources if r["kind"] == kind]
+
+
+def pod_spec(workload: Resource) -> dict[str, Any]:
+    spec: dict[str, Any] = workload["spec"]["template"]["spec"]
+    return spec
+
+
+def container(workload: Resource, name: str) -> dict[str, Any]:
+    spec = pod_spec(workload)
+    found = [
+        c for c in spec.get("containers", []) + spec.get("initContainers", []) if c["name"] == name
+    ]
+    assert len(found) == 1, f"{workload['metadata']['name']}: expected one container {name!r}"
+    return found[0]
+
+
+def yaml_files() -> Iterator[Path]:
+    yield from sorted(K8S.rglob("*.yaml"))
+
+
+# --- schemas -------------------------------------------------------------------------------
+
+
+def _istio_models() -> dict[tuple[str, str], Any]:
+    from cloudcoil.models.istio.networking import v1 as networking_v1
+    from cloudcoil.models.istio.networking import v1alpha3
+    from cloudcoil.models.istio.security import v1 as security_v1
+
+    return {
+        ("networking.istio.io/v1alpha3", "EnvoyFilter"): v1alpha3.EnvoyFilter,
+        ("networking.istio.io/v1", "Gateway"): networking_v1.Gateway,
+        ("networking.istio.io/v1", "VirtualService"): networking_v1.VirtualService,
+        ("security.istio.io/v1", "RequestAuthentication"): security_v1.RequestAuthentication,
+        ("security.istio.io/v1", "AuthorizationPolicy"): security_v1.AuthorizationPolicy,
+    }
+
+
+ISTIO_KINDS = frozenset(kind for _, kind in _istio_models())
+
+
+def _strict(schema: Any) -> Any:
+    """`schema` with every object that lists its properties closed to others (as the API
+    server's strict field validation would be); free-form maps (a patch's `value`) stay open."""
+    if isinstance(schema, dict):
+        out = {key: _strict(value) for key, value in schema.items()}
+        if "properties" in out and "additionalProperties" not in out:
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [_strict(item) for item in schema]
+    return schema
+
+
+@functools.cache
+def _istio_validator(api_version: str, kind: str) -> jsonschema.protocols.Validator:
+    model = _istio_models()[(api_version, kind)]
+    schema = _strict(model.model_json_schema(by_alias=True))
+    validator_class = jsonschema.validators.validator_for(schema)
+    validator_class.check_schema(schema)
+    validator: jsonschema.protocols.Validator = validator_class(schema)
+    return validator
+
+
+def validate(resource: Mapping[str, Any]) -> None:
+    """Validate against the strict schema of its kind; raises on an unknown kind or field."""
+    if resource["kind"] in ISTIO_KINDS:
+        _istio_validator(resource["apiVersion"], resource["kind"]).validate(resource)
+        if not str(resource.get("metadata", {}).get("name", "")):
+            raise jsonschema.ValidationError("metadata.name is required")
+        return
+    kubernetes_validate.validate(dict(resource), KUBERNETES_VERSION, strict=True)
+
+
+# --- EnvoyFilter patches on a bootstrap of envoy/envoy.yaml's shape --------------------------
+
+
+class PatchError(AssertionError):
+    """A patch that would not apply to the gateway's shape."""
+
+
+def apply_envoy_filter(bootstrap: Mapping[str, Any], envoy_filter: Resource) -> dict[str, Any]:
+    """Apply the patches of an EnvoyFilter, Istio-style, to a copy of `bootstrap` (a config of
+    envoy/envoy.yaml's shape: listener `gateway`, clusters `kvguard` and `vllm`).
+
+    Supported, as this repository uses them: CLUSTER ADD; CLUSTER MERGE matched by port;
+    LISTENER MERGE; HTTP_FILTER INSERT_FIRST, and INSERT_BEFORE a named sub-filter. The gateway
+    listener stands for the one Istio builds (an ingress listener or virtualInbound).
+    """
+    config = copy.deepcopy(dict(bootstrap))
+    clusters: list[dict[str, Any]] = config["static_resources"]["clusters"]
+    for index, patch in enumerate(envoy_filter["spec"]["configPatches"]):
+        where = f"{envoy_filter['metadata']['name']}.configPatches[{index}]"
+        apply_to, match = patch["applyTo"], patch.get("match", {})
+        operation, value = patch["patch"]["operation"], patch["patch"]["value"]
+        if (apply_to, operation) == ("CLUSTER", "ADD"):
+            clusters[:] = [c for c in clusters if c["name"] != value["name"]]
+            clusters.append(copy.deepcopy(value))
+        elif (apply_to, operation) == ("CLUSTER", "MERGE"):
+            port = match["cluster"]["portNumber"]
+            targets = [c for c in clusters if port in _endpoint_ports(c)]
+            if not targets:
+                raise PatchError(f"{where}: no cluster on port {port}")
+            for target in targets:
+                _merge(target, value)
+        elif (apply_to, operation) == ("LISTENER", "MERGE"):
+            _merge(listener(config), value)
+        elif apply_to == "HTTP_FILTER" and operation == "INSERT_FIRST":
+            http_filters(config).insert(0, copy.deepcopy(value))
+        elif apply_to == "HTTP_FILTER" and operation == "INSERT_BEFORE":
+            sub_filter = match["listener"]["filterChain"]["filter"]["subFilter"]["name"]
+            filters = http_filters(config)
+            names = [f["name"] for f in filters]
+            if sub_filter not in names:
+                raise PatchError(f"{where}: no HTTP filter {sub_filter!r} to insert before")
+            filters.insert(names.index(sub_filter), copy.deepcopy(value))
+        else:
+            raise PatchError(f"{where}: {apply_to} {operation} is not modelled here")
+    return config
+
+
+def without_kvguard(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of an envoy/envoy.yaml-shaped config without its ext_proc filter and kvguard
+    cluster: what an EnvoyFilter must add back."""
+    result = copy.deepcopy(dict(config))
+    filters = http_filters(result)
+    filters[:] = [f for f in filters if f["name"] != EXT_PROC_FILTER]
+    clusters = result["static_resources"]["clusters"]
+    clusters[:] = [c for c in clusters if c["name"] != KVGUARD_CLUSTER]
+    return result
+
+
+def _endpoint_ports(cluster_config: Mapping[str, Any]) -> set[int]:
+    return {
+        lb["endpoint"]["address"]["socket_address"]["port_value"]
+        for locality in cluster_config.get("load_assignment", {}).get("endpoints", [])
+        for lb in locality["lb_endpoints"]
+    }
+
+
+def _merge(target: dict[str, Any], value: Mapping[str, Any]) -> None:
+    for key, item in value.items():
+        if isinstance(item, Mapping) and isinstance(target.get(key), dict):
+            _merge(target[key], item)
+        else:
+            target[key] = copy.deepcopy(item)

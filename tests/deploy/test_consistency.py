@@ -1,0 +1,367 @@
+"""The manifests agree with kvguard's configuration and with DESIGN.md's deployment shape:
+ports, names, the tenant header, the ledger, probes, drain, hardening, and vLLM's flags."""
+
+from __future__ import annotations
+
+import urllib.parse
+from typing import Any
+
+import pytest
+import yaml
+
+from kvguard import config as configs
+from kvguard import policy
+from kvguard.testing.envoy import KVGUARD_CLUSTER, cluster, http_filter, http_filters, listener
+from tests.conftest import model_dir
+from tests.deploy.manifests import (
+    KUSTOMIZATIONS,
+    Resource,
+    build,
+    container,
+    find,
+    of_kind,
+    pod_spec,
+)
+
+# Where kvguard is injected, in each kustomization.
+SIDECAR_HOSTS = {
+    "base": ("Deployment", "kvguard-gateway"),
+    "overlays/external-redis": ("Deployment", "kvguard-gateway"),
+    "overlays/istio-gateway": ("Deployment", "kvguard-ingressgateway"),
+    "overlays/istio-sidecar": ("StatefulSet", "vllm-qwen"),
+}
+ISTIO = ("overlays/istio-gateway", "overlays/istio-sidecar")
+
+
+def kvguard_config(resources: tuple[Resource, ...]) -> configs.Config:
+    text = find(resources, "ConfigMap", "kvguard-config")["data"]["kvguard.yaml"]
+    return configs.parse(text, "kvguard-config/kvguard.yaml", environ={})
+
+
+def envoy_configs(resources: tuple[Resource, ...]) -> list[dict[str, Any]]:
+    return [
+        yaml.safe_load(text)
+        for cm in of_kind(resources, "ConfigMap")
+        for key, text in cm.get("data", {}).items()
+        if key == "envoy.yaml"
+    ]
+
+
+def kvguard_port(resources: tuple[Resource, ...]) -> int:
+    return int(kvguard_config(resources).server.grpc_listen.rsplit(":", 1)[1])
+
+
+def host(name: str) -> Resource:
+    kind, workload = SIDECAR_HOSTS[name]
+    return find(build(name), kind, workload)
+
+
+def envoy_filter_values(resources: tuple[Resource, ...], apply_to: str) -> list[dict[str, Any]]:
+    return [
+        patch["patch"]["value"]
+        for envoy_filter in of_kind(resources, "EnvoyFilter")
+        for patch in envoy_filter["spec"]["configPatches"]
+        if patch["applyTo"] == apply_to
+    ]
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_exactly_one_envoy_consults_kvguard(name: str) -> None:
+    """Two ext_proc filters on one request's path would reserve its blocks twice."""
+    resources = build(name)
+    ext_procs = [
+        f for f in envoy_filter_values(resources, "HTTP_FILTER") if "ext_proc" in f["name"]
+    ]
+    assert len(envoy_configs(resources)) + len(ext_procs) == 1
+    injected = [
+        w
+        for w in of_kind(resources, "Deployment") + of_kind(resources, "StatefulSet")
+        if any(c["name"] == "kvguard" for c in pod_spec(w).get("initContainers", []))
+    ]
+    assert [(w["kind"], w["metadata"]["name"]) for w in injected] == [SIDECAR_HOSTS[name]]
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_grpc_port_agrees_everywhere(name: str) -> None:
+    """server.grpc_listen's port = the kvguard cluster's port = the probes' port."""
+    resources = build(name)
+    port = kvguard_port(resources)
+    assert kvguard_config(resources).server.grpc_listen.startswith("0.0.0.0:")  # kubelet probes
+    sidecar = container(host(name), "kvguard")
+    probes = [sidecar[p]["grpc"] for p in ("startupProbe", "readinessProbe", "livenessProbe")]
+    assert {probe["port"] for probe in probes} == {port}
+    assert port in {p["containerPort"] for p in sidecar["ports"]}
+    clusters = [cluster(c, KVGUARD_CLUSTER) for c in envoy_configs(resources)] + [
+        v for v in envoy_filter_values(resources, "CLUSTER") if v.get("name") == KVGUARD_CLUSTER
+    ]
+    assert clusters
+    for kvguard_cluster in clusters:
+        (locality,) = kvguard_cluster["load_assignment"]["endpoints"]
+        (endpoint,) = locality["lb_endpoints"]
+        assert endpoint["endpoint"]["address"]["socket_address"] == {
+            "address": "127.0.0.1",  # the native sidecar, over localhost
+            "port_value": port,
+        }
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_probes_use_grpc_health(name: str) -> None:
+    sidecar = container(host(name), "kvguard")
+    assert sidecar["restartPolicy"] == "Always"  # a native sidecar
+    assert sidecar["readinessProbe"]["grpc"].get("service", "") == ""
+    assert sidecar["livenessProbe"]["grpc"]["service"] == "liveness"
+    # The pod's other containers start when kvguard serves, not when vLLM is up.
+    assert sidecar["startupProbe"]["grpc"]["service"] == "liveness"
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_configuration_is_mounted_as_a_directory(name: str) -> None:
+    """A subPath mount would never see a ConfigMap update; the hot reload needs the folder."""
+    workload = host(name)
+    sidecar = container(workload, "kvguard")
+    assert sidecar["args"] == ["--config", "/etc/kvguard/kvguard.yaml"]
+    (mount,) = [m for m in sidecar["volumeMounts"] if m["mountPath"] == "/etc/kvguard"]
+    assert "subPath" not in mount and mount.get("readOnly") is True
+    (volume,) = [v for v in pod_spec(workload)["volumes"] if v["name"] == mount["name"]]
+    assert volume["configMap"]["name"] == "kvguard-config"
+    find(build(name), "ConfigMap", "kvguard-config")  # shipped, and under that exact name
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_grace_period_covers_the_drains(name: str) -> None:
+    resources = build(name)
+    workload = host(name)
+    drain = kvguard_config(resources).server.drain_seconds
+    pre_stop = [
+        c.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+        for c in pod_spec(workload)["containers"]
+    ]
+    assert pod_spec(workload)["terminationGracePeriodSeconds"] > drain + max(pre_stop)
+
+
+@pytest.mark.parametrize("name", ["base", "overlays/external-redis"])
+def test_gateway_pods_are_hardened(name: str) -> None:
+    gateway = find(build(name), "Deployment", "kvguard-gateway")
+    spec = pod_spec(gateway)
+    for each in spec["containers"] + spec["initContainers"]:
+        security = each["securityContext"]
+        assert security["runAsNonRoot"] is True and security["runAsUser"] != 0
+        assert security["readOnlyRootFilesystem"] is True
+        assert security["allowPrivilegeEscalation"] is False
+        assert security["capabilities"] == {"drop": ["ALL"]}
+        assert security["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert each["resources"]["requests"]["cpu"] and each["resources"]["requests"]["memory"]
+        assert each["resources"]["limits"]["memory"]
+    assert spec["automountServiceAccountToken"] is False
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_injected_sidecar_is_hardened(name: str) -> None:
+    security = container(host(name), "kvguard")["securityContext"]
+    assert security == {
+        "runAsNonRoot": True,
+        "runAsUser": 65532,
+        "runAsGroup": 65532,
+        "readOnlyRootFilesystem": True,
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def test_gateway_replicas_share_a_redis_ledger() -> None:
+    resources = build("base")
+    config = kvguard_config(resources)
+    replicas = find(resources, "Deployment", "kvguard-gateway")["spec"]["replicas"]
+    assert replicas > 1
+    assert config.ledger.url.startswith("redis://")  # memory:// cannot be shared
+    # ledger.replicas counts every kvguard process: pods times workers.
+    assert config.ledger.replicas == replicas * config.server.workers
+    url = urllib.parse.urlsplit(config.ledger.url)
+    redis = find(resources, "Service", url.hostname or "")
+    assert url.port in {p["port"] for p in redis["spec"]["ports"]}
+    (redis_pod,) = [
+        d for d in of_kind(resources, "Deployment") if d["metadata"]["name"] == url.hostname
+    ]
+    assert redis["spec"]["selector"].items() <= pod_spec_labels(redis_pod).items()
+    # Only pods that run kvguard may reach it.
+    policy = find(resources, "NetworkPolicy", url.hostname or "")
+    (rule,) = policy["spec"]["ingress"]
+    allowed = rule["from"][0]["podSelector"]["matchLabels"]
+    assert allowed.items() <= pod_spec_labels(host("base")).items()
+
+
+def test_istio_gateway_replicas_match_the_ledger() -> None:
+    resources = build("overlays/istio-gateway")
+    replicas = find(resources, "Deployment", "kvguard-ingressgateway")["spec"]["replicas"]
+    config = kvguard_config(resources)
+    assert config.ledger.replicas == replicas * config.server.workers
+    assert replicas > 1
+
+
+def test_external_redis_comes_from_a_secret() -> None:
+    resources = build("overlays/external-redis")
+    assert not [r for r in resources if r["metadata"]["name"] == "kvguard-redis"]
+    env = container(host("overlays/external-redis"), "kvguard")["env"]
+    assert env == [
+        {
+            "name": "KVGUARD_LEDGER_URL",
+            "valueFrom": {"secretKeyRef": {"name": "kvguard-ledger", "key": "url"}},
+        }
+    ]
+    # ...and that variable is the override kvguard reads for ledger.url.
+    text = find(resources, "ConfigMap", "kvguard-config")["data"]["kvguard.yaml"]
+    config = configs.parse(
+        text, "kvguard.yaml", environ={"KVGUARD_LEDGER_URL": "rediss://r:6380/0"}
+    )
+    assert config.ledger.url == "rediss://r:6380/0"
+
+
+def test_tenant_header_is_set_by_authentication_and_stripped_from_clients() -> None:
+    """tenancy.header = the header jwt_authn sets = the header removed before it, everywhere."""
+    for name in KUSTOMIZATIONS:
+        resources = build(name)
+        header = kvguard_config(resources).tenancy.header
+        assert kvguard_config(resources).tenancy.identity == "header"
+        for envoy in envoy_configs(resources):
+            names = [f["name"] for f in http_filters(envoy)]
+            assert names[:2] == [
+                "envoy.filters.http.header_mutation",
+                "envoy.filters.http.jwt_authn",
+            ]
+            removed = http_filter(envoy, "envoy.filters.http.header_mutation")
+            assert removed["mutations"]["request_mutations"] == [{"remove": header}]
+            jwt = http_filter(envoy, "envoy.filters.http.jwt_authn")
+            for provider in jwt["providers"].values():
+                assert [c["header_name"] for c in provider["claim_to_headers"]] == [header]
+            assert all("requires" in rule for rule in jwt["rules"])
+        for value in envoy_filter_values(resources, "HTTP_FILTER"):
+            if "header_mutation" in value["typed_config"]["@type"]:
+                mutations = value["typed_config"]["mutations"]["request_mutations"]
+                assert mutations == [{"remove": header}]
+        for authn in of_kind(resources, "RequestAuthentication"):
+            for rule in authn["spec"]["jwtRules"]:
+                assert [h["header"] for h in rule["outputClaimToHeaders"]] == [header]
+                assert rule["forwardOriginalToken"] is False
+    for name in ISTIO:
+        resources = build(name)
+        (authn,) = of_kind(resources, "RequestAuthentication")
+        strip = [
+            p
+            for f in of_kind(resources, "EnvoyFilter")
+            for p in f["spec"]["configPatches"]
+            if p["applyTo"] == "HTTP_FILTER" and "header_mutation" in str(p["patch"]["value"])
+        ]
+        assert [p["patch"]["operation"] for p in strip] == ["INSERT_FIRST"]
+        # RequestAuthentication alone lets token-less requests in: a policy must require one.
+        policies = of_kind(resources, "AuthorizationPolicy")
+        assert any(
+            source["source"].get("requestPrincipals") == ["*"]
+            and p["spec"]["selector"] == authn["spec"]["selector"]
+            for p in policies
+            for rule in p["spec"]["rules"]
+            for source in rule.get("from", [])
+        )
+
+
+@pytest.mark.parametrize("name", ISTIO)
+def test_envoy_filters_select_the_injected_pods(name: str) -> None:
+    resources = build(name)
+    labels = pod_spec_labels(host(name))
+    for envoy_filter in of_kind(resources, "EnvoyFilter"):
+        assert envoy_filter["spec"]["workloadSelector"]["labels"].items() <= labels.items()
+        contexts = {p["match"]["context"] for p in envoy_filter["spec"]["configPatches"]}
+        expected = (
+            {"GATEWAY"}
+            if name.endswith("gateway")
+            else {
+                "SIDECAR_INBOUND",
+                "SIDECAR_OUTBOUND",
+            }
+        )
+        assert contexts == expected
+    for authn in of_kind(resources, "RequestAuthentication"):
+        assert authn["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+def test_sidecar_envoy_filter_targets_vllms_port() -> None:
+    resources = build("overlays/istio-sidecar")
+    port = container(find(resources, "StatefulSet", "vllm-qwen"), "vllm")["ports"][0]
+    ports = {
+        p["match"].get("listener", {}).get("portNumber")
+        or p["match"].get("cluster", {}).get("portNumber")
+        for f in of_kind(resources, "EnvoyFilter")
+        for p in f["spec"]["configPatches"]
+        if p["match"]["context"] == "SIDECAR_INBOUND"
+    } - {None}
+    assert ports == {port["containerPort"]}
+
+
+def test_vllm_is_configured_as_the_design_says() -> None:
+    resources = build("base")
+    config = kvguard_config(resources)
+    (pool,) = config.pools
+    statefulset = find(resources, "StatefulSet", f"vllm-{pool.name}")
+    vllm = container(statefulset, "vllm")
+    assert vllm["command"] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+    flags = dict(arg.removeprefix("--").partition("=")[::2] for arg in vllm["args"])
+    assert flags["gpu-memory-utilization"] == "0.90"
+    assert int(flags["max-model-len"]) == pool.max_model_len
+    assert "enable-prefix-caching" in flags
+    gpus = vllm["resources"]["limits"]["nvidia.com/gpu"]
+    assert int(flags["tensor-parallel-size"]) == int(gpus) >= 1
+    assert flags["served-model-name"] in pool.models
+    # The tokenizer kvguard counts with is the model vLLM serves, from the same volume.
+    assert pool.tokenizer == flags["model"]
+    port = int(flags["port"])
+    assert port in {p["containerPort"] for p in vllm["ports"]}
+
+    # A Service per pool, which the gateway's `vllm` cluster targets...
+    service = find(resources, "Service", f"vllm-{pool.name}")
+    named = {p["name"]: p["containerPort"] for p in vllm["ports"]}
+    assert [named.get(p["targetPort"], p["targetPort"]) for p in service["spec"]["ports"]] == [port]
+    assert service["spec"]["selector"].items() <= pod_spec_labels(statefulset).items()
+    (envoy,) = envoy_configs(resources)
+    upstream = cluster(envoy, "vllm")["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
+    assert upstream["endpoint"]["address"]["socket_address"] == {
+        "address": service["metadata"]["name"],
+        "port_value": service["spec"]["ports"][0]["port"],
+    }
+    # ...and /metrics of every replica, by its stable name, for capacity discovery.
+    headless = find(resources, "Service", statefulset["spec"]["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None"
+    replicas = statefulset["spec"]["replicas"]
+    assert pool.capacity.endpoints == [
+        f"http://{statefulset['metadata']['name']}-{i}.{headless['metadata']['name']}:{port}"
+        for i in range(replicas)
+    ]
+
+
+def test_gateway_service_targets_the_gateway_listener() -> None:
+    resources = build("base")
+    (gateway,) = envoy_configs(resources)
+    deployment = find(resources, "Deployment", "kvguard-gateway")
+    (envoy,) = deployment["spec"]["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in envoy["ports"]}
+    assert ports["http"] == listener(gateway)["address"]["socket_address"]["port_value"]
+    health = listener(gateway, "health")["address"]["socket_address"]["port_value"]
+    assert ports[envoy["readinessProbe"]["httpGet"]["port"]] == health
+    service = find(resources, "Service", "kvguard-gateway")
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]
+    policy = find(resources, "NetworkPolicy", "kvguard-gateway")
+    allowed = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+    assert ports["http"] in allowed and 50051 not in allowed
+
+
+def pod_spec_labels(workload: Resource) -> dict[str, str]:
+    labels: dict[str, str] = workload["spec"]["template"]["metadata"]["labels"]
+    return labels
+
+
+def test_shipped_policy_builds_with_a_real_tokenizer() -> None:
+    """What `kvguard check-config` does, with the pool's tokenizer folder taken from the test
+    cache (in the pod it is the model folder on the model-store volume)."""
+    config = kvguard_config(build("base"))
+    pools = [p.model_copy(update={"tokenizer": str(model_dir("qwen"))}) for p in config.pools]
+    built = policy.build(config.model_copy(update={"pools": pools}))
+    assert set(built.pools) == {"qwen"}

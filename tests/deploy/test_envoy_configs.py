@@ -1,0 +1,237 @@
+"""Every Envoy configuration shipped in k8s/ passes `envoy --mode validate` (EnvoyFilter patches
+as part of a bootstrap of envoy/envoy.yaml's shape), carries exactly envoy/envoy.yaml's ext_proc
+settings, and the authenticated gateway really sets the tenant header from the token only."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import hashlib
+import hmac
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+
+from kvguard.testing.envoy import (
+    EXT_PROC_FILTER,
+    KVGUARD_CLUSTER,
+    SHIPPED_CONFIG,
+    EnvoyError,
+    EnvoyProcess,
+    cluster,
+    http_filter,
+    http_filters,
+    listener,
+    render_envoy_config,
+    validate_envoy_config,
+    without_http_filter,
+)
+from kvguard.testing.upstream import RecordingUpstream
+from tests.deploy.manifests import (
+    KUSTOMIZATIONS,
+    PatchError,
+    apply_envoy_filter,
+    build,
+    of_kind,
+    without_kvguard,
+)
+
+pytestmark = pytest.mark.integration  # runs the real Envoy binary
+
+GATEWAY_CONFIG = Path(__file__).resolve().parents[2] / "k8s" / "base" / "gateway" / "envoy.yaml"
+HEADER_FIRST = "envoy.filters.http.header_mutation"
+ROUTER = "envoy.filters.http.router"
+
+
+def shipped() -> dict[str, Any]:
+    config: dict[str, Any] = yaml.safe_load(SHIPPED_CONFIG.read_text())
+    return config
+
+
+def embedded_envoy_configs() -> list[tuple[str, str]]:
+    """(where, text) of every envoy.yaml held by a ConfigMap of any kustomization."""
+    found = {}
+    for name in KUSTOMIZATIONS:
+        for cm in of_kind(build(name), "ConfigMap"):
+            for key, text in cm.get("data", {}).items():
+                if key.endswith(".yaml") and "static_resources" in text:
+                    found[text] = f"{name}: ConfigMap/{cm['metadata']['name']}[{key}]"
+    return [(where, text) for text, where in found.items()]
+
+
+def envoy_filters() -> list[tuple[str, dict[str, Any]]]:
+    return [
+        (f"{name}: EnvoyFilter/{f['metadata']['name']}", f)
+        for name in KUSTOMIZATIONS
+        for f in of_kind(build(name), "EnvoyFilter")
+    ]
+
+
+def test_configmaps_hold_the_gateway_config() -> None:
+    embedded = embedded_envoy_configs()
+    assert [text for _, text in embedded] == [GATEWAY_CONFIG.read_text()]
+
+
+@pytest.mark.parametrize(("where", "text"), embedded_envoy_configs(), ids=lambda v: v[:40])
+def test_embedded_envoy_config_validates(tmp_path: Path, where: str, text: str) -> None:
+    path = tmp_path / "envoy.yaml"
+    path.write_text(text)
+    assert "OK" in validate_envoy_config(path), where
+
+
+def test_envoy_refuses_a_broken_gateway_config(tmp_path: Path) -> None:
+    config = yaml.safe_load(GATEWAY_CONFIG.read_text())
+    jwt = http_filter(config, "envoy.filters.http.jwt_authn")
+    jwt["providers"]["tenants"]["claim_to_headers"][0]["header_nam"] = "x"
+    path = tmp_path / "envoy.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(EnvoyError, match="header_nam"):
+        validate_envoy_config(path)
+
+
+def test_gateway_config_keeps_envoy_yamls_ext_proc_settings() -> None:
+    gateway = yaml.safe_load(GATEWAY_CONFIG.read_text())
+    assert http_filter(gateway, EXT_PROC_FILTER) == http_filter(shipped(), EXT_PROC_FILTER)
+    assert cluster(gateway, KVGUARD_CLUSTER) == cluster(shipped(), KVGUARD_CLUSTER)
+    for key in ("per_connection_buffer_limit_bytes",):
+        assert listener(gateway)[key] == listener(shipped())[key]
+    names = [f["name"] for f in http_filters(gateway)]
+    assert names == [HEADER_FIRST, "envoy.filters.http.jwt_authn", EXT_PROC_FILTER, ROUTER]
+
+
+@pytest.mark.parametrize(("where", "envoy_filter"), envoy_filters(), ids=lambda v: str(v)[:40])
+def test_envoy_filter_patches_validate_in_a_bootstrap(
+    tmp_path: Path, where: str, envoy_filter: dict[str, Any]
+) -> None:
+    config = apply_envoy_filter(without_kvguard(shipped()), envoy_filter)
+    # The patches put back exactly what envoy/envoy.yaml has, in the same place...
+    assert http_filter(config, EXT_PROC_FILTER) == http_filter(shipped(), EXT_PROC_FILTER)
+    assert cluster(config, KVGUARD_CLUSTER) == cluster(shipped(), KVGUARD_CLUSTER)
+    names = [f["name"] for f in http_filters(config)]
+    assert names[0] != EXT_PROC_FILTER and names[-2:] == [EXT_PROC_FILTER, ROUTER], where
+    assert http_filters(config)[0]["typed_config"]["@type"].endswith("HeaderMutation")
+    # ...with buffers above kvguard's max_body_bytes on both sides...
+    assert listener(config)["per_connection_buffer_limit_bytes"] == 16777216
+    assert cluster(config, "vllm")["per_connection_buffer_limit_bytes"] == 16777216
+    # ...and Envoy accepts the result.
+    path = tmp_path / "envoy.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert "OK" in validate_envoy_config(path), where
+
+
+def test_bootstrap_builder_refuses_a_patch_that_would_not_apply() -> None:
+    envoy_filter = copy.deepcopy(envoy_filters()[0][1])
+    for patch in envoy_filter["spec"]["configPatches"]:
+        if patch["patch"]["operation"] == "INSERT_BEFORE":
+            patch["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"] = "nope"
+    with pytest.raises(PatchError, match="nope"):
+        apply_envoy_filter(without_kvguard(shipped()), envoy_filter)
+
+
+# --- the authenticated gateway, run for real ----------------------------------------------
+
+SECRET = b"kvguard-test-signing-key-0123456789"
+ISSUER, AUDIENCE = "https://auth.example.com/", "kvguard"
+
+
+def b64url(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def token(claims: dict[str, Any], secret: bytes = SECRET) -> str:
+    header = b64url(json.dumps({"alg": "HS256", "typ": "JWT", "kid": "test"}).encode())
+    body = b64url(json.dumps(claims).encode())
+    signature = hmac.new(secret, f"{header}.{body}".encode(), hashlib.sha256).digest()
+    return f"{header}.{body}.{b64url(signature)}"
+
+
+def local_gateway(upstream_port: int) -> dict[str, Any]:
+    """k8s/base/gateway/envoy.yaml on loopback, without ext_proc (no kvguard here), its JWKS
+    inline (an HS256 test key) instead of fetched from the identity provider."""
+    config = render_envoy_config(
+        GATEWAY_CONFIG, listen_port=0, admin_port=0, kvguard_port=1, upstream_port=upstream_port
+    )
+    config = without_http_filter(config, EXT_PROC_FILTER)
+    health = listener(config, "health")["address"]["socket_address"]
+    health.update(address="127.0.0.1", port_value=0)
+    provider = http_filter(config, "envoy.filters.http.jwt_authn")["providers"]["tenants"]
+    assert (provider["issuer"], provider["audiences"]) == (ISSUER, [AUDIENCE])
+    del provider["remote_jwks"]
+    jwks = {"keys": [{"kty": "oct", "alg": "HS256", "kid": "test", "k": b64url(SECRET)}]}
+    provider["local_jwks"] = {"inline_string": json.dumps(jwks)}
+    clusters = config["static_resources"]["clusters"]
+    clusters[:] = [c for c in clusters if c["name"] not in ("jwks", KVGUARD_CLUSTER)]
+    return config
+
+
+async def post(
+    client: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str]
+) -> int:
+    async with client.post(url, json=body, headers=headers) as response:
+        await response.read()
+        return response.status
+
+
+def bearer(claims: dict[str, Any], secret: bytes = SECRET) -> dict[str, str]:
+    return {"authorization": f"Bearer {token(claims, secret)}"}
+
+
+async def test_tenant_header_comes_from_the_token_only(tmp_path: Path) -> None:
+    upstream = RecordingUpstream()
+    await upstream.start()
+    claims = {"iss": ISSUER, "aud": AUDIENCE, "sub": "u1", "exp": int(time.time()) + 600}
+    acme = claims | {"tenant": "acme"}
+    body = {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+    forged = {"x-tenant-id": "someone-else"}
+    try:
+        config = local_gateway(upstream.port)
+        async with EnvoyProcess(config, tmp_path) as envoy, aiohttp.ClientSession() as client:
+            url = f"{envoy.url}/v1/chat/completions"
+            assert await post(client, url, body, forged) == 401  # no token
+            assert await post(client, url, body, forged | bearer(acme, b"wrong key")) == 401
+            assert await post(client, url, body, bearer(acme | {"exp": 1})) == 401  # expired
+            assert await post(client, url, body, forged | bearer(acme)) == 200
+            assert await post(client, url, body, forged | bearer(claims)) == 200  # no claim
+            assert (await envoy_ready(envoy, client))[0] == 200
+        admitted, anonymous = await upstream.wait_for_requests(2)
+    finally:
+        await upstream.stop()
+    assert admitted.headers["x-tenant-id"] == "acme"  # the claim; the client's copy is gone
+    assert "authorization" not in admitted.headers  # the token stays at the gateway
+    assert "x-tenant-id" not in anonymous.headers  # no claim: no tenant, not the client's
+    assert len(upstream.requests) == 2  # nothing unauthenticated got through
+
+
+async def test_client_tenant_header_is_removed_before_authentication(tmp_path: Path) -> None:
+    """The first filter drops the client's copy by itself, whatever jwt_authn then does."""
+    upstream = RecordingUpstream()
+    await upstream.start()
+    config = local_gateway(upstream.port)
+    provider = http_filter(config, "envoy.filters.http.jwt_authn")["providers"]["tenants"]
+    provider["claim_to_headers"] = [{"header_name": "x-claimed-tenant", "claim_name": "tenant"}]
+    claims = {"iss": ISSUER, "aud": AUDIENCE, "exp": int(time.time()) + 600, "tenant": "acme"}
+    body = {"model": "m", "prompt": "a", "max_tokens": 1}
+    try:
+        async with EnvoyProcess(config, tmp_path) as envoy, aiohttp.ClientSession() as client:
+            headers = {"x-tenant-id": "forged"} | bearer(claims)
+            assert await post(client, f"{envoy.url}/v1/completions", body, headers) == 200
+        (request,) = await upstream.wait_for_requests(1)
+    finally:
+        await upstream.stop()
+    assert request.headers["x-claimed-tenant"] == "acme"
+    assert "x-tenant-id" not in request.headers
+
+
+async def envoy_ready(envoy: EnvoyProcess, client: aiohttp.ClientSession) -> tuple[int, str]:
+    """GET /ready on the `health` listener (the kubelet's readiness probe)."""
+    async with client.get(f"{envoy.admin_url}/listeners?format=json") as response:
+        statuses = (await response.json())["listener_statuses"]
+    (health,) = [s for s in statuses if s["name"] == "health"]
+    port = health["local_address"]["socket_address"]["port_value"]
+    async with client.get(f"http://127.0.0.1:{port}/ready") as response:
+        return response.status, await response.text()

@@ -1,0 +1,39 @@
+"""`kvguard demo` end to end, as a user runs it: a real Envoy, kvguard, and the simulator."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+async def test_a_small_demo_shows_preemptions_unguarded_and_none_guarded() -> None:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvguard", "demo", "--requests", "8",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out_bytes, err_bytes = await asyncio.wait_for(process.communicate(), timeout=120)
+    out, err = out_bytes.decode(), err_bytes.decode()
+    assert process.returncode == 0, out + err
+    assert "unguarded  [##############################] 16/16 answered" in out
+    assert "kvguard    [##############################] 16/16 answered" in out
+    assert "capacity from http://127.0.0.1:" in out and "512 blocks of 16 tokens" in out
+    found = re.search(r"num_preemptions_total\): (\d+) unguarded, (\d+) guarded", out)
+    assert found, out
+    assert int(found.group(1)) > 0 and int(found.group(2)) == 0
+    acme = next(line for line in out.splitlines() if line.startswith("acme "))
+    hobbyist = next(line for line in out.splitlines() if line.startswith("hobbyist "))
+    assert acme.split()[1:3] == ["pro", "8"] and hobbyist.split()[1:3] == ["free", "8"]
+    # Guarded, acme's 1200-token asks are clamped to the pro cap (512: 51 blocks each), and
+    # its quota (320 blocks) holds 6 of them: the other 2 are refused early, not preempted.
+    assert acme.endswith("6       6  2 x 429 tenant_block_quota_exceeded"), acme
+    assert hobbyist.endswith("8       8  -"), hobbyist
+    peak = re.search(
+        r"ledger peak: (\d+) of 512 blocks reserved \(limit 435\); after the burst: 0", out
+    )
+    assert peak, out
+    assert 0 < int(peak.group(1)) <= 435

@@ -1,0 +1,146 @@
+"""Many processes, one pool, one real Redis: the ledger never over-admits.
+
+PROCESSES separate processes (spawned: nothing shared but Redis) each run CYCLES reserve/release
+cycles, CONCURRENCY at a time, against one pool whose limit and tenant quotas are far below what
+they ask for together. Meanwhile this process samples the pool's usage (one atomic script read)
+as often as it can: at no sampled instant may the reserved blocks pass the pool limit
+(capacity x (1 - watermark)) or any tenant's quota, and every reservation's own answer says the
+same. At the end nothing is reserved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import random
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvguard.estimate import pool_limit
+from kvguard.ledger import Claim, Outcome
+from kvguard.ledger.redis_ledger import RedisLedger
+from kvguard.testing.redis import RedisServer
+
+pytestmark = pytest.mark.integration
+
+PROCESSES = 4
+CYCLES = 400  # per process
+CONCURRENCY = 16  # cycles in flight per process
+CAPACITY = 150
+WATERMARK = 0.2
+LIMIT = pool_limit(CAPACITY, WATERMARK)  # 120 blocks: what a claim's pool_limit carries
+QUOTAS = {"t0": 60, "t1": 60, "t2": 45}
+POOL = "shared"
+DEADLINE_S = 120.0
+
+
+def _worker(url: str, index: int) -> dict[str, Any]:
+    """One process: CYCLES reserve/hold/release cycles; returns its counts and violations."""
+    return asyncio.run(_cycles(url, index))
+
+
+async def _cycles(url: str, index: int) -> dict[str, Any]:
+    # Patient: this proves atomicity; a loaded machine must not fail it with a timeout.
+    ledger = RedisLedger.from_url(url, timeout_s=5.0)
+    rng = random.Random(index)
+    counts = {"admitted": 0, "tenant_quota": 0, "pool_watermark": 0}
+    violations: list[str] = []
+    try:
+        # Start together: wait (with a deadline) until every process has connected.
+        client = ledger._client
+        await client.incr("test:ready")
+        deadline = time.monotonic() + 60
+        while int(await client.get("test:ready")) < PROCESSES:
+            assert time.monotonic() < deadline, "the other processes never came"
+            await asyncio.sleep(0.01)
+
+        async def cycle(n: int) -> None:
+            tenant = rng.choice(list(QUOTAS))
+            claim = Claim(
+                f"w{index}-{n}", POOL, tenant, rng.randint(1, 16), LIMIT, QUOTAS[tenant], 60
+            )
+            reservation = await ledger.reserve(claim)
+            counts[reservation.outcome.value] += 1
+            if reservation.pool_reserved > LIMIT:
+                violations.append(f"{claim.lease_id}: pool at {reservation.pool_reserved}")
+            if reservation.tenant_reserved > QUOTAS[tenant]:
+                violations.append(f"{claim.lease_id}: {tenant} at {reservation.tenant_reserved}")
+            if reservation.outcome is Outcome.ADMITTED:
+                assert reservation.lease is not None
+                # The request's work: a random short hold, so that leases overlap.
+                await asyncio.sleep(rng.uniform(0.001, 0.008))
+                await ledger.release(reservation.lease)
+
+        semaphore = asyncio.Semaphore(CONCURRENCY)
+
+        async def bounded(n: int) -> None:
+            async with semaphore:
+                await cycle(n)
+
+        await asyncio.gather(*(bounded(n) for n in range(CYCLES)))
+    finally:
+        await ledger.close()
+    return {"counts": counts, "violations": violations}
+
+
+async def test_processes_never_over_admit_one_pool(tmp_path: Path) -> None:
+    with RedisServer(tmp_path / "redis") as server:
+        sampler = RedisLedger.from_url(server.url, timeout_s=5.0)
+        context = multiprocessing.get_context("spawn")
+        samples = 0
+        busy_samples = 0
+        peak = 0
+        tenant_peaks = dict.fromkeys(QUOTAS, 0)
+        bad: list[str] = []
+        started = time.monotonic()
+        try:
+            with ProcessPoolExecutor(PROCESSES, mp_context=context) as pool:
+                futures = [
+                    asyncio.wrap_future(pool.submit(_worker, server.url, i))
+                    for i in range(PROCESSES)
+                ]
+                done = asyncio.gather(*futures)
+                while not done.done():
+                    assert time.monotonic() - started < DEADLINE_S, "workers did not finish"
+                    usage = await sampler.usage(POOL)
+                    samples += 1
+                    busy_samples += usage.reserved > 0
+                    peak = max(peak, usage.reserved)
+                    if usage.reserved > LIMIT:
+                        bad.append(f"pool reserved {usage.reserved} > {LIMIT}")
+                    if sum(usage.tenants.values()) != usage.reserved:
+                        bad.append(f"tenants {usage.tenants} do not add up to {usage.reserved}")
+                    for tenant, blocks in usage.tenants.items():
+                        tenant_peaks[tenant] = max(tenant_peaks[tenant], blocks)
+                        if blocks > QUOTAS[tenant]:
+                            bad.append(f"{tenant} reserved {blocks} > {QUOTAS[tenant]}")
+                    await asyncio.sleep(0)
+                results = await done
+            final = await sampler.usage(POOL)
+        finally:
+            await sampler.close()
+    elapsed = time.monotonic() - started
+
+    totals = {"admitted": 0, "tenant_quota": 0, "pool_watermark": 0}
+    for result in results:
+        for key, value in result["counts"].items():
+            totals[key] += value
+        bad.extend(result["violations"])
+    print(
+        f"\n{PROCESSES} processes x {CYCLES} cycles ({CONCURRENCY} in flight each) in "
+        f"{elapsed:.1f}s: {totals['admitted']} admitted, {totals['pool_watermark']} refused "
+        f"(pool watermark), {totals['tenant_quota']} refused (tenant quota); "
+        f"{samples} samples ({busy_samples} with blocks reserved), peak {peak} of limit {LIMIT}, "
+        f"tenant peaks {tenant_peaks} of quotas {QUOTAS}; at the end {final.reserved} reserved"
+    )
+    assert bad == []
+    assert sum(totals.values()) == PROCESSES * CYCLES
+    # The pool was really contended, and sampled while it was.
+    assert totals["admitted"] > 0 and totals["pool_watermark"] > 0 and totals["tenant_quota"] > 0
+    assert samples >= 200 and busy_samples >= 50
+    assert peak > LIMIT // 2
+    assert (final.reserved, final.leases, final.tenants) == (0, 0, {})
