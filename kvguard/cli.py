@@ -119,15 +119,35 @@ def _ledger_status(path: str) -> int:
 
 def _ledger_status_via_admin(config: configs.Config) -> int:
     """`ledger status` for a memory:// ledger: it lives inside the running kvguard process, so
-    only that process's admin API (kvguard.v1.AdminService/GetUsage) can answer."""
-    # TODO(admin API issue): call GetUsage on config.server.grpc_listen and render it here.
-    print(
-        "error: ledger.url is memory://: the ledger lives inside the running kvguard process. "
-        "Read it through that process's admin API: set server.admin: true and query "
-        f"kvguard.v1.AdminService/GetUsage on {config.server.grpc_listen}.",
-        file=sys.stderr,
-    )
-    return 2
+    that process's admin API (kvguard.v1.AdminService/GetUsage) answers."""
+    import asyncio
+
+    from kvguard.extproc.admin import read_usage
+    from kvguard.ledger.status import PoolSpec, PoolStatus, render
+
+    host, _, port = config.server.grpc_listen.rpartition(":")
+    address = f"{'127.0.0.1' if host in ('', '0.0.0.0', '[::]') else host}:{port}"
+    try:
+        pools = asyncio.run(read_usage(address))
+    except OSError as exc:
+        print(
+            f"error: cannot read the admin API of the kvguard at {address} ({exc}); the memory "
+            "ledger lives inside that process: it must run with server.admin: true",
+            file=sys.stderr,
+        )
+        return 1
+    watermarks = {p.name: p.watermark for p in config.pools}
+    statuses = [
+        PoolStatus(
+            PoolSpec(p.pool, p.capacity_blocks or None, watermarks.get(p.pool, 0.0)),
+            p.reserved_blocks,
+            p.leases,
+            dict(p.reserved_blocks_by_tenant),
+        )
+        for p in pools
+    ]
+    print(render(config.ledger.url, config.ledger.cluster, statuses))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

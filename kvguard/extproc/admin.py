@@ -12,7 +12,7 @@ from collections.abc import Callable
 import grpc
 
 from kvguard.capacity import Capacities
-from kvguard.ledger import Lease, Ledger
+from kvguard.ledger import Ledger
 from kvguard.policy import Policy
 from kvguard.v1 import admin_pb2, admin_pb2_grpc
 
@@ -43,17 +43,55 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
                     reserved_blocks=usage.reserved,
                     free_blocks=max(blocks - usage.reserved, 0),
                     reserved_blocks_by_tenant=usage.tenants,
+                    leases=usage.leases,
                 )
             )
         return admin_pb2.GetUsageResponse(pools=pools)
 
+    async def ListLeases(
+        self, request: admin_pb2.ListLeasesRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.ListLeasesResponse:
+        await self._known_pool(request.pool, context)
+        leases = [
+            admin_pb2.Lease(
+                lease_id=info.lease.lease_id,
+                pool=info.lease.pool,
+                tenant=info.lease.tenant,
+                blocks=info.lease.blocks,
+                expires_in_seconds=info.expires_in_s,
+            )
+            for info in await self._ledger.leases(request.pool)
+        ]
+        return admin_pb2.ListLeasesResponse(leases=leases)
+
     async def ReleaseLease(
         self, request: admin_pb2.ReleaseLeaseRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.ReleaseLeaseResponse:
-        if request.pool not in self._policy().pools:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no pool {request.pool!r}")
-        before = (await self._ledger.usage(request.pool)).leases
-        await self._ledger.release(Lease(request.lease_id, request.pool, "", 0))
-        released = (await self._ledger.usage(request.pool)).leases < before
-        log.warning("admin released lease %s in pool %s", request.lease_id, request.pool)
-        return admin_pb2.ReleaseLeaseResponse(released=released)
+        await self._known_pool(request.pool, context)
+        held = {i.lease.lease_id: i.lease for i in await self._ledger.leases(request.pool)}
+        lease = held.get(request.lease_id)
+        if lease is not None:
+            await self._ledger.release(lease)
+            log.warning(
+                "admin released lease %s in pool %s (%d blocks of tenant %s)",
+                lease.lease_id,
+                lease.pool,
+                lease.blocks,
+                lease.tenant,
+            )
+        return admin_pb2.ReleaseLeaseResponse(released=lease is not None)
+
+    async def _known_pool(self, pool: str, context: grpc.aio.ServicerContext) -> None:
+        if pool not in self._policy().pools:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no pool {pool!r}")
+
+
+async def read_usage(address: str, timeout_s: float = 5.0) -> list[admin_pb2.PoolUsage]:
+    """GetUsage from the kvguard at `address` (for `kvguard ledger status`); raises OSError."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = admin_pb2_grpc.AdminServiceStub(channel)  # type: ignore[no-untyped-call]
+        try:
+            answer = await stub.GetUsage(admin_pb2.GetUsageRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise OSError(f"{exc.code().name}: {exc.details()}") from None
+    return list(answer.pools)

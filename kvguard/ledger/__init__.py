@@ -52,6 +52,14 @@ class Reservation:
 
 
 @dataclass(frozen=True, slots=True)
+class LeaseInfo:
+    """An open lease as the ledger holds it (for operators)."""
+
+    lease: Lease
+    expires_in_s: float  # seconds until it expires unless renewed
+
+
+@dataclass(frozen=True, slots=True)
 class PoolUsage:
     reserved: int
     leases: int
@@ -81,5 +89,8 @@ class Ledger(Protocol):
 
     async def usage(self, pool: str) -> PoolUsage:
         """Blocks and leases held in `pool` (expired leases reclaimed first), per tenant."""
+
+    async def leases(self, pool: str) -> list[LeaseInfo]:
+        """The pool's open leases (expired ones reclaimed first), for operators."""
 
     async def close(self) -> None: ...

@@ -9,7 +9,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from kvguard.ledger import Claim, Lease, Outcome, PoolUsage, Reservation
+from kvguard.ledger import Claim, Lease, LeaseInfo, Outcome, PoolUsage, Reservation
 
 
 @dataclass
@@ -115,6 +115,13 @@ class MemoryLedger:
             state = self._pools[pool]
             state.reclaim_expired(self._clock())
             return PoolUsage(state.reserved, len(state.leases), dict(state.tenants))
+
+    async def leases(self, pool: str) -> list[LeaseInfo]:
+        with self._lock:
+            state = self._pools[pool]
+            now = self._clock()
+            state.reclaim_expired(now)
+            return [LeaseInfo(lease, expiry - now) for lease, expiry in state.leases.values()]
 
     async def close(self) -> None:
         return None

@@ -29,7 +29,15 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from kvguard.ledger import Claim, Lease, LedgerUnavailable, Outcome, PoolUsage, Reservation
+from kvguard.ledger import (
+    Claim,
+    Lease,
+    LeaseInfo,
+    LedgerUnavailable,
+    Outcome,
+    PoolUsage,
+    Reservation,
+)
 
 # Fast failure: a healthy Redis on the same network answers in well under a millisecond, so a
 # quarter of a second without an answer means it is gone (or drowning), and the request should
@@ -84,7 +92,7 @@ def load_script(name: str) -> Script:
     return Script(name, source, hashlib.sha1(source.encode()).hexdigest())
 
 
-SCRIPT_NAMES = ("reserve", "release", "renew", "reassert", "usage")
+SCRIPT_NAMES = ("reserve", "release", "renew", "reassert", "usage", "leases")
 
 
 def pool_keys(pool: str) -> list[str]:
@@ -236,6 +244,16 @@ class RedisLedger:
         reserved, leases, flat = await self._run("usage", pool_keys(pool)[:4], ())
         tenants = {_text(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
         return PoolUsage(int(reserved), int(leases), tenants)
+
+    async def leases(self, pool: str) -> list[LeaseInfo]:
+        now_ms, flat = await self._run("leases", pool_keys(pool)[:4], ())
+        out = []
+        for i in range(0, len(flat), 3):
+            lease_id, value, expiry_ms = _text(flat[i]), _text(flat[i + 1]), int(flat[i + 2])
+            blocks, _, tenant = value.partition(":")
+            lease = Lease(lease_id, pool, tenant, int(blocks))
+            out.append(LeaseInfo(lease, (expiry_ms - int(now_ms)) / 1000))
+        return out
 
     async def check(self, pools: Iterable[str]) -> None:
         """Reach Redis (raise LedgerUnavailable) and report pools whose epoch changed."""

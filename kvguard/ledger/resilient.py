@@ -31,7 +31,15 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 
-from kvguard.ledger import Claim, Lease, LedgerUnavailable, Outcome, PoolUsage, Reservation
+from kvguard.ledger import (
+    Claim,
+    Lease,
+    LeaseInfo,
+    LedgerUnavailable,
+    Outcome,
+    PoolUsage,
+    Reservation,
+)
 from kvguard.ledger.memory import MemoryLedger
 from kvguard.ledger.redis_ledger import RedisLedger
 
@@ -167,6 +175,17 @@ class ResilientLedger:
         if self._local is None:
             raise LedgerUnavailable("the Redis ledger cannot be reached")
         return await self._local.usage(pool)
+
+    async def leases(self, pool: str) -> list[LeaseInfo]:
+        """Redis's leases; while unreachable, the local ledger's (`local`), else raises."""
+        if self.reachable:
+            try:
+                return await self.primary.leases(pool)
+            except LedgerUnavailable as exc:
+                self._went_down(exc)
+        if self._local is None:
+            raise LedgerUnavailable("the Redis ledger cannot be reached")
+        return await self._local.leases(pool)
 
     async def start(self) -> None:
         """Reach Redis once (registering the scripts) and start watching it."""

@@ -6,12 +6,18 @@ import asyncio
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from kvguard import config as configs
 from kvguard.ledger import Claim, Outcome
 from kvguard.ledger.redis_ledger import RedisLedger
+from kvguard.server import Service
 from kvguard.testing.redis import RedisServer
 from tests.conftest import kvguard_config, write_config
+from tests.integration.test_cli import free_port
+from tests.protocol.harness import body, exchange, headers
 
 pytestmark = pytest.mark.integration
 
@@ -61,7 +67,29 @@ async def test_status_says_when_redis_cannot_be_reached(tmp_path: Path) -> None:
     assert "ConnectionError" in err
 
 
-async def test_status_of_a_memory_ledger_points_to_the_admin_api(tmp_path: Path) -> None:
-    code, out, err = await status(write_config(tmp_path, kvguard_config()))
-    assert code == 2 and out == ""
-    assert "memory://" in err and "server.admin: true" in err and "GetUsage" in err
+async def test_status_of_a_memory_ledger_reads_the_running_kvguard(tmp_path: Path) -> None:
+    port = free_port()
+    path = write_config(tmp_path, kvguard_config(grpc_port=port, admin=True))
+    service = Service(configs.load(path, environ={}))
+    await service.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.ExternalProcessorStub(channel)
+            chat = {"model": "qwen", "messages": [{"role": "user", "content": "hi"}]}
+            call, _ = await exchange(stub, headers("/v1/chat/completions"), body(chat))
+            blocks = (await service.ledger.usage("qwen")).reserved
+            code, out, err = await status(path)
+            await call.done_writing()
+    finally:
+        await service.stop(0)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0] == "ledger memory://"
+    assert lines[2].split() == ["qwen", "1000", "850", str(blocks), str(1000 - blocks), "1"]
+    assert [line.split() for line in lines[4:]] == [["acme", str(blocks)]]
+
+
+async def test_status_of_a_memory_ledger_needs_the_admin_api(tmp_path: Path) -> None:
+    code, out, err = await status(write_config(tmp_path, kvguard_config(grpc_port=free_port())))
+    assert code == 1 and out == ""
+    assert "server.admin: true" in err

@@ -29,6 +29,11 @@ async def test_usage_and_release_through_the_admin_api(tmp_path: Path) -> None:
             assert dict(pool.reserved_blocks_by_tenant) == {"acme": blocks, "other": others}
             assert pool.reserved_blocks == blocks + others
             assert pool.free_blocks == 1000 - blocks - others
+            assert pool.leases == 2
+            listed = await admin.ListLeases(admin_pb2.ListLeasesRequest(pool="qwen"))
+            mine = {lease.lease_id: lease for lease in listed.leases}[lease_id]
+            assert (mine.tenant, mine.blocks) == ("acme", blocks)
+            assert 0 < mine.expires_in_seconds <= 60
 
             answer = await admin.ReleaseLease(
                 admin_pb2.ReleaseLeaseRequest(pool="qwen", lease_id=lease_id)

@@ -194,6 +194,19 @@ async def test_release_is_idempotent(clock_and_ledger) -> None:
     assert (usage.reserved, usage.leases, usage.tenants) == (0, 0, {})
 
 
+async def test_leases_lists_what_is_open_with_its_time_left(clock_and_ledger) -> None:
+    _, ledger = clock_and_ledger
+    first = (await ledger.reserve(claim("1", 40, tenant="a", lease_s=30))).lease
+    await ledger.reserve(claim("2", 7, tenant="b:c", lease_s=30))
+    assert first is not None
+    listed = sorted(await ledger.leases("p"), key=lambda i: i.lease.lease_id)
+    assert [i.lease for i in listed] == [Lease("1", "p", "a", 40), Lease("2", "p", "b:c", 7)]
+    assert all(25 < i.expires_in_s <= 30 for i in listed)
+    await ledger.release(first)
+    assert [i.lease.lease_id for i in await ledger.leases("p")] == ["2"]
+    assert await ledger.leases("elsewhere") == []
+
+
 async def test_tenant_names_survive_any_characters(clock_and_ledger) -> None:
     _, ledger = clock_and_ledger
     odd = "org:42/tëam {x}"

@@ -1,0 +1,17 @@
+-- leases: one pool's open leases, after reclaiming expired ones, for operators.
+-- KEYS: leases, expiries, tenants, reserved of one pool (see lib.lua), hash-tagged {pool}.
+-- ARGV: none.
+-- Returns {now (ms of Redis TIME), {lease id, "<blocks>:<tenant>", expiry (ms), ...}}.
+--#include lib.lua
+
+local now = now_ms()
+reclaim(now)
+local out = {}
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all, 2 do
+  local expiry = redis.call('ZSCORE', KEYS[2], all[i])
+  table.insert(out, all[i])
+  table.insert(out, all[i + 1])
+  table.insert(out, tonumber(expiry or now))
+end
+return {now, out}
