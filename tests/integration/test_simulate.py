@@ -60,7 +60,7 @@ async def test_vtc_slice_under_overload_with_a_plot(tmp_path: Path) -> None:
         "--rate-scale", "6", "--plot", str(png),
     )  # fmt: skip
     assert code == 0, err
-    assert "vtc_lmsys, 80 requests from 10 tenant(s) over 26 s" in out
+    assert "vtc_lmsys, 80 requests from 14 tenant(s) over 4 s (18.74 req/s" in out
     assert "rate scale 6" in out
     assert "pool qwen: 300 blocks of 16 tokens, watermark 0.15 (kvguard admits up to 255" in out
     row = next(line for line in out.splitlines() if line.startswith("dummy-lora-7b-rank-8-0 "))
