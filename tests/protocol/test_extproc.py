@@ -3,6 +3,8 @@ to a kvguard service running in this process (memory ledger, real Qwen tokenizer
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -295,3 +297,29 @@ async def test_stop_releases_leases_of_streams_that_outlive_the_grace(tmp_path: 
         assert service.keeper.open_leases == 0
         assert not service.health.ready
         call.cancel()
+
+
+async def test_api_keys_map_to_tenants_by_their_hash_and_ignore_the_tenant_header(
+    tmp_path: Path,
+) -> None:
+    key = "sk-acme-0123456789"
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    async with running(tmp_path, default_tier=None) as (service, stub):
+        tenancy = service.config.tenancy.model_copy(
+            update={"identity": "api_key", "api_keys": {digest: "acme"}}
+        )
+        service.publish(dataclasses.replace(service.policy, tenancy=tenancy))
+        bearer = {"authorization": f"Bearer {key}"}
+        _, (_, admitted) = await exchange(
+            stub, headers("/v1/chat/completions", bearer, tenant="spoofed"), body(CHAT)
+        )
+        lease = set_headers(admitted.request_body.response)["x-kvguard-lease"]
+        assert lease
+        assert (await service.ledger.usage("qwen")).tenants == {
+            "acme": int(set_headers(admitted.request_body.response)["x-kvguard-blocks"])
+        }
+        wrong = {"authorization": "Bearer sk-not-a-key"}
+        _, (refused,) = await exchange(stub, headers("/v1/chat/completions", wrong, tenant="acme"))
+        assert refusal(refused)[0] == 401
+        _, (no_key,) = await exchange(stub, headers("/v1/chat/completions", tenant="acme"))
+        assert refusal(no_key)[0] == 401
