@@ -29,10 +29,13 @@ RUN awk -v want="grpcio grpcio-tools protobuf setuptools" \
     && python -m venv /opt/build-tools \
     && /opt/build-tools/bin/pip install --no-cache-dir --require-hashes --no-deps -r build-tools.txt
 
-# The runtime dependencies, exactly as locked.
+# The runtime dependencies, exactly as locked; then opentelemetry-proto again, because
+# xds-protos overwrites its modules with an older copy (tools/reinstall_from_lock.py says more).
 COPY requirements.lock ./
+COPY tools/reinstall_from_lock.py ./tools/
 RUN python -m venv /opt/kvguard \
-    && /opt/kvguard/bin/pip install --no-cache-dir --require-hashes -r requirements.lock
+    && /opt/kvguard/bin/pip install --no-cache-dir --require-hashes -r requirements.lock \
+    && /opt/kvguard/bin/python tools/reinstall_from_lock.py requirements.lock opentelemetry-proto
 
 # kvguard itself: generate its gRPC API from proto/ (the generated files are not committed),
 # build the wheel, install it without dependencies (they came from the lock above).
