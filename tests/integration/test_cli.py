@@ -5,29 +5,28 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
 
 import aiohttp
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvguard.testing.envoy import SHIPPED_CONFIG, EnvoyProcess, render_envoy_config
+from kvguard.testing.envoy import EnvoyProcess
 from kvguard.testing.upstream import RecordingUpstream
 from tests.conftest import kvguard_config, write_config
+from tests.integration.processes import (
+    NOT_SERVING,
+    SERVING,
+    envoy_config,
+    free_port,
+    health,
+    kvguard_serve,
+)
 
 pytestmark = pytest.mark.integration
 
 PROMPT = "The quartermaster's private memo"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def kvguard(*args: str) -> list[str]:
@@ -68,85 +67,45 @@ async def test_check_config_reports_a_missing_tokenizer(tmp_path: Path) -> None:
     assert "nowhere" in err
 
 
-async def _health(port: int, service: str = "") -> int:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        try:
-            answer = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
-        except grpc.aio.AioRpcError:
-            return -1
-        return int(answer.status)
-
-
 async def test_serve_admits_through_envoy_and_exits_0_on_sigterm(tmp_path: Path) -> None:
     port = free_port()
     path = write_config(tmp_path, kvguard_config(grpc_port=port, drain_seconds=5))
-    log = (tmp_path / "kvguard.log").open("wb")
-    process = await asyncio.create_subprocess_exec(
-        *kvguard("serve", "--config", str(path)), stdout=log, stderr=log
-    )
+    log_path = tmp_path / "kvguard.log"
     upstream = RecordingUpstream()
     await upstream.start()
     try:
-        deadline = time.monotonic() + 30
-        while await _health(port) != health_pb2.HealthCheckResponse.SERVING:
-            assert process.returncode is None, (tmp_path / "kvguard.log").read_text()
-            assert time.monotonic() < deadline, "kvguard did not become ready"
-            await asyncio.sleep(0.1)
-        rendered = render_envoy_config(
-            SHIPPED_CONFIG,
-            listen_port=0,
-            admin_port=0,
-            kvguard_port=port,
-            upstream_port=upstream.port,
-        )
-        async with EnvoyProcess(rendered, tmp_path) as envoy:
-            await envoy.wait_cluster_healthy("kvguard")
-            async with (
-                aiohttp.ClientSession() as http,
-                http.post(
-                    envoy.url + "/v1/completions",
-                    json={"model": "qwen", "prompt": "Hi"},
-                    headers={"x-tenant-id": "acme"},
-                ) as response,
-            ):
-                assert response.status == 200
-        assert upstream.requests[0].json()["max_tokens"] == 128
-        process.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(process.wait(), 15) == 0
-        assert "kvguard stopped" in (tmp_path / "kvguard.log").read_text()
+        async with kvguard_serve(path, port, log_path) as process:
+            async with EnvoyProcess(envoy_config(port, upstream.port), tmp_path) as envoy:
+                await envoy.wait_cluster_healthy("kvguard")
+                async with (
+                    aiohttp.ClientSession() as http,
+                    http.post(
+                        envoy.url + "/v1/completions",
+                        json={"model": "qwen", "prompt": "Hi"},
+                        headers={"x-tenant-id": "acme"},
+                    ) as response,
+                ):
+                    assert response.status == 200
+            assert upstream.requests[0].json()["max_tokens"] == 128
+            process.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(process.wait(), 15) == 0
+        assert "kvguard stopped" in log_path.read_text()
     finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
         await upstream.stop()
-        log.close()
 
 
 async def test_sigterm_drains_open_streams_then_exits_0(tmp_path: Path) -> None:
     port = free_port()
     path = write_config(tmp_path, kvguard_config(grpc_port=port, drain_seconds=20))
     log_path = tmp_path / "kvguard.log"
-    log = log_path.open("wb")
-    process = await asyncio.create_subprocess_exec(
-        *kvguard("serve", "--config", str(path)), stdout=log, stderr=log
-    )
     upstream = RecordingUpstream()
     await upstream.start()
     try:
-        deadline = time.monotonic() + 30
-        while await _health(port) != health_pb2.HealthCheckResponse.SERVING:
-            assert process.returncode is None, log_path.read_text()
-            assert time.monotonic() < deadline, "kvguard did not become ready"
-            await asyncio.sleep(0.1)
-        rendered = render_envoy_config(
-            SHIPPED_CONFIG,
-            listen_port=0,
-            admin_port=0,
-            kvguard_port=port,
-            upstream_port=upstream.port,
-        )
-        async with EnvoyProcess(rendered, tmp_path) as envoy, aiohttp.ClientSession() as http:
+        async with (
+            kvguard_serve(path, port, log_path) as process,
+            EnvoyProcess(envoy_config(port, upstream.port), tmp_path) as envoy,
+            aiohttp.ClientSession() as http,
+        ):
             await envoy.wait_cluster_healthy("kvguard")
             slow = asyncio.create_task(
                 _post(http, envoy.url, {"x-tenant-id": "acme", "x-test-delay": "3"})
@@ -154,12 +113,12 @@ async def test_sigterm_drains_open_streams_then_exits_0(tmp_path: Path) -> None:
             await upstream.wait_for_requests(1, timeout=10)
             process.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + 5
-            while await _health(port) != health_pb2.HealthCheckResponse.NOT_SERVING:
+            while await health(port) != NOT_SERVING:
                 assert time.monotonic() < deadline, "readiness did not turn NOT_SERVING"
                 await asyncio.sleep(0.02)
-            assert await _health(port, "liveness") == health_pb2.HealthCheckResponse.SERVING
+            assert await health(port, "liveness") == SERVING
             assert await slow == 200  # the stream in flight finished within the grace period
-        assert await asyncio.wait_for(process.wait(), 30) == 0
+            assert await asyncio.wait_for(process.wait(), 30) == 0
         text = log_path.read_text()
         assert "drained; 0 leases still open were released" in text
         assert "kvguard stopped" in text
@@ -169,11 +128,7 @@ async def test_sigterm_drains_open_streams_then_exits_0(tmp_path: Path) -> None:
         assert decision["request_id"]  # Envoy's x-request-id
         assert PROMPT not in text
     finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
         await upstream.stop()
-        log.close()
 
 
 async def _post(http: aiohttp.ClientSession, url: str, headers: dict[str, str]) -> int:
@@ -187,19 +142,7 @@ async def _post(http: aiohttp.ClientSession, url: str, headers: dict[str, str]) 
 async def test_a_second_process_on_a_taken_port_fails_to_start(tmp_path: Path) -> None:
     port = free_port()
     path = write_config(tmp_path, kvguard_config(grpc_port=port))
-    first = await asyncio.create_subprocess_exec(
-        *kvguard("serve", "--config", str(path)),
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while await _health(port) != health_pb2.HealthCheckResponse.SERVING:
-            assert first.returncode is None and time.monotonic() < deadline
-            await asyncio.sleep(0.1)
+    async with kvguard_serve(path, port, tmp_path / "first.log"):
         code, _, err = await run("serve", "--config", str(path))
         assert code == 1
         assert f"error: {path}: cannot listen on 127.0.0.1:{port}" in err
-    finally:
-        first.terminate()
-        await first.wait()

@@ -6,21 +6,19 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
-import sys
 import time
 from pathlib import Path
 
 import aiohttp
 import pytest
-from grpc_health.v1 import health_pb2
 
 from kvguard.ledger.redis_ledger import RedisLedger
-from kvguard.testing.envoy import SHIPPED_CONFIG, EnvoyProcess, render_envoy_config
+from kvguard.testing.envoy import EnvoyProcess
 from kvguard.testing.redis import RedisServer
 from kvguard.testing.upstream import RecordingUpstream
 from tests.conftest import kvguard_config, write_config
 from tests.integration.conftest import gateway, wait_until
-from tests.integration.test_cli import _health, free_port
+from tests.integration.processes import envoy_config, free_port, kvguard_serve
 
 pytestmark = pytest.mark.integration
 
@@ -34,26 +32,15 @@ async def test_a_killed_kvguards_leases_come_back_within_the_lease_time(tmp_path
         data = kvguard_config(grpc_port=port)
         data["ledger"] = {"url": redis.url, "lease_seconds": lease_s}
         path = write_config(tmp_path, data)
-        log = (tmp_path / "kvguard.log").open("wb")
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvguard", "serve", "--config", str(path), stdout=log, stderr=log
-        )
         upstream = RecordingUpstream(token_delay=0.05)
         await upstream.start()
         ledger = RedisLedger.from_url(redis.url)
         try:
-            deadline = time.monotonic() + 30
-            while await _health(port) != health_pb2.HealthCheckResponse.SERVING:
-                assert process.returncode is None and time.monotonic() < deadline
-                await asyncio.sleep(0.1)
-            rendered = render_envoy_config(
-                SHIPPED_CONFIG,
-                listen_port=0,
-                admin_port=0,
-                kvguard_port=port,
-                upstream_port=upstream.port,
-            )
-            async with EnvoyProcess(rendered, tmp_path) as envoy, aiohttp.ClientSession() as http:
+            async with (
+                kvguard_serve(path, port, tmp_path / "kvguard.log") as process,
+                EnvoyProcess(envoy_config(port, upstream.port), tmp_path) as envoy,
+                aiohttp.ClientSession() as http,
+            ):
                 await envoy.wait_cluster_healthy("kvguard")
                 streams = [
                     await http.post(
@@ -86,12 +73,8 @@ async def test_a_killed_kvguards_leases_come_back_within_the_lease_time(tmp_path
                     assert response.status == 503
                 assert len(upstream.requests) == 4
         finally:
-            if process.returncode is None:
-                process.kill()
-                await process.wait()
             await ledger.close()
             await upstream.stop()
-            log.close()
 
 
 async def test_clients_walking_away_at_random_points_leak_nothing(tmp_path: Path) -> None:

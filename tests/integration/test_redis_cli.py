@@ -16,7 +16,7 @@ from kvguard.ledger.redis_ledger import RedisLedger
 from kvguard.server import Service
 from kvguard.testing.redis import RedisServer
 from tests.conftest import kvguard_config, write_config
-from tests.integration.test_cli import free_port
+from tests.integration.processes import free_port
 from tests.protocol.harness import body, exchange, headers
 
 pytestmark = pytest.mark.integration

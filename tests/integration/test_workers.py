@@ -13,12 +13,11 @@ from pathlib import Path
 import grpc
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from grpc_health.v1 import health_pb2
 
 from kvguard.ledger.redis_ledger import RedisLedger
 from kvguard.testing.redis import RedisServer
 from tests.conftest import kvguard_config, write_config
-from tests.integration.test_cli import _health, free_port
+from tests.integration.processes import SERVING, free_port, health
 from tests.protocol.harness import body, exchange, headers
 
 pytestmark = pytest.mark.integration
@@ -52,10 +51,7 @@ async def test_two_workers_share_the_port_and_the_ledger(tmp_path: Path) -> None
         try:
 
             async def ready() -> bool:
-                return (
-                    len(workers_of(supervisor.pid)) == 2
-                    and await _health(port) == health_pb2.HealthCheckResponse.SERVING
-                )
+                return len(workers_of(supervisor.pid)) == 2 and await health(port) == SERVING
 
             await wait_for(ready)
             calls = []

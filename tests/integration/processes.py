@@ -1,0 +1,72 @@
+"""`kvguard serve` as a real process for the tests, and the shipped Envoy in front of it."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvguard.testing.envoy import SHIPPED_CONFIG, render_envoy_config
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def health(port: int, service: str = "") -> int:
+    """The grpc.health.v1 status of `service`, or -1 when nothing answers."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            answer = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
+        except grpc.aio.AioRpcError:
+            return -1
+        return int(answer.status)
+
+
+@asynccontextmanager
+async def kvguard_serve(
+    config: Path, port: int, log_path: Path
+) -> AsyncIterator[asyncio.subprocess.Process]:
+    """`kvguard serve --config CONFIG`, ready (SERVING on `port`) when yielded; killed after
+    unless the test ended it itself."""
+    with log_path.open("wb") as log:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvguard", "serve", "--config", str(config),
+            stdout=log, stderr=log,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 30
+            while await health(port) != SERVING:
+                assert process.returncode is None, log_path.read_text()
+                assert time.monotonic() < deadline, "kvguard did not become ready"
+                await asyncio.sleep(0.1)
+            yield process
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+
+
+def envoy_config(kvguard_port: int, upstream_port: int) -> dict[str, Any]:
+    """envoy/envoy.yaml on loopback, in front of this kvguard and upstream."""
+    return render_envoy_config(
+        SHIPPED_CONFIG,
+        listen_port=0,
+        admin_port=0,
+        kvguard_port=kvguard_port,
+        upstream_port=upstream_port,
+    )
