@@ -34,39 +34,12 @@ from kvguard.counting import (
 from kvguard.errors import Code, Refusal
 from kvguard.request import parse
 from kvguard.tokenizer import PoolTokenizer
+from tests.conftest import model_dir
 from tests.unit import test_tokenizer as handwritten
 
 transformers = pytest.importorskip("transformers")
 
-MODELS = Path(__file__).parents[2] / ".cache" / "models"
 SEED = 20251129
-
-
-def _folder(name: str) -> Path:
-    folder = MODELS / name
-    if not (folder / "tokenizer.json").is_file():
-        pytest.skip(f"{folder} is missing: run `python tools/fetch_tokenizers.py`")
-    return folder
-
-
-@pytest.fixture(scope="module")
-def qwen() -> PoolTokenizer:
-    return PoolTokenizer.load(_folder("qwen"))
-
-
-@pytest.fixture(scope="module")
-def qwen_hf() -> Any:
-    return transformers.AutoTokenizer.from_pretrained(_folder("qwen"))
-
-
-@pytest.fixture(scope="module")
-def llama() -> PoolTokenizer:
-    return PoolTokenizer.load(_folder("llama3.2"))
-
-
-@pytest.fixture(scope="module")
-def llama_hf() -> Any:
-    return transformers.AutoTokenizer.from_pretrained(_folder("llama3.2"))
 
 
 # --- the generated corpus -------------------------------------------------------------------
@@ -483,7 +456,7 @@ def test_media_parts_reach_an_openai_template_as_vllm_passes_them(
 ) -> None:
     path = tmp_path / "vision.jinja"
     path.write_text(handwritten.OPENAI_TEMPLATE, encoding="utf-8")
-    tokenizer = PoolTokenizer.load(_folder("qwen"), path)
+    tokenizer = PoolTokenizer.load(model_dir("qwen"), path)
     content = [{"type": "text", "text": "What is this?"}, IMAGE]
     body = {"model": "q", "messages": [{"role": "user", "content": content}]}
     reference = qwen_hf.apply_chat_template(
@@ -515,7 +488,7 @@ def test_pool_chat_template_file_is_loaded_through_the_config(tmp_path: Path) ->
     pool = {
         "name": "qwen",
         "models": ["qwen"],
-        "tokenizer": str(_folder("qwen")),
+        "tokenizer": str(model_dir("qwen")),
         "chat_template": "templates/plain.jinja",  # relative to the configuration file
         "max_model_len": 4096,
         "capacity": {"blocks": 100, "block_size": 16},

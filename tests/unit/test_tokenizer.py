@@ -25,37 +25,9 @@ from kvguard.counting import count_prompts
 from kvguard.errors import Refusal
 from kvguard.request import add_special_tokens, parse
 from kvguard.tokenizer import PoolTokenizer, TokenizerError
+from tests.conftest import model_dir
 
 transformers = pytest.importorskip("transformers")
-
-MODELS = Path(__file__).parents[2] / ".cache" / "models"
-
-
-def _folder(name: str) -> Path:
-    folder = MODELS / name
-    if not (folder / "tokenizer.json").is_file():
-        pytest.skip(f"{folder} is missing: run `python tools/fetch_tokenizers.py`")
-    return folder
-
-
-@pytest.fixture(scope="module")
-def qwen() -> PoolTokenizer:
-    return PoolTokenizer.load(_folder("qwen"))
-
-
-@pytest.fixture(scope="module")
-def qwen_hf() -> Any:
-    return transformers.AutoTokenizer.from_pretrained(_folder("qwen"))
-
-
-@pytest.fixture(scope="module")
-def llama() -> PoolTokenizer:
-    return PoolTokenizer.load(_folder("llama3.2"))
-
-
-@pytest.fixture(scope="module")
-def llama_hf() -> Any:
-    return transformers.AutoTokenizer.from_pretrained(_folder("llama3.2"))
 
 
 def _long_text() -> str:
@@ -716,7 +688,7 @@ def test_model_without_template_refuses_chat(llama: PoolTokenizer) -> None:
 
 @pytest.fixture(scope="module")
 def qwen_backend() -> Tokenizer:
-    return Tokenizer.from_file(str(_folder("qwen") / "tokenizer.json"))
+    return Tokenizer.from_file(str(model_dir("qwen") / "tokenizer.json"))
 
 
 def _with_template(backend: Tokenizer, source: str) -> PoolTokenizer:
@@ -776,7 +748,7 @@ def test_openai_content_format_passes_parts(
 ) -> None:
     path = tmp_path / "template.jinja"  # through load(): vLLM's --chat-template
     path.write_text(OPENAI_TEMPLATE, encoding="utf-8")
-    tokenizer = PoolTokenizer.load(_folder("qwen"), path)
+    tokenizer = PoolTokenizer.load(model_dir("qwen"), path)
     request = {
         "messages": [
             {"role": "system", "content": "plain"},
@@ -844,7 +816,7 @@ def test_qwen_template_is_string_format(qwen: PoolTokenizer) -> None:
 
 
 def test_named_templates_pick_tool_use(tmp_path: Path) -> None:
-    source = _folder("qwen")
+    source = model_dir("qwen")
     shutil.copy(source / "tokenizer.json", tmp_path / "tokenizer.json")
     config = json.loads((source / "tokenizer_config.json").read_text(encoding="utf-8"))
     config["chat_template"] = [
@@ -859,7 +831,7 @@ def test_named_templates_pick_tool_use(tmp_path: Path) -> None:
 
 
 def test_configured_special_token_missing_from_tokenizer_json(tmp_path: Path) -> None:
-    source = _folder("llama3.2")
+    source = model_dir("llama3.2")
     shutil.copy(source / "tokenizer.json", tmp_path / "tokenizer.json")
     config = json.loads((source / "tokenizer_config.json").read_text(encoding="utf-8"))
     config["eos_token"] = {
@@ -883,12 +855,12 @@ def test_load_errors(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):
         PoolTokenizer.load(tmp_path)
     with pytest.raises(FileNotFoundError, match="chat template file"):
-        PoolTokenizer.load(_folder("qwen"), tmp_path / "absent.jinja")
+        PoolTokenizer.load(model_dir("qwen"), tmp_path / "absent.jinja")
     bad = tmp_path / "bad.jinja"
     bad.write_text("{% for %}", encoding="utf-8")
     with pytest.raises(ValueError, match=r"bad\.jinja: chat template does not compile"):
-        PoolTokenizer.load(_folder("qwen"), bad)
-    shutil.copy(_folder("qwen") / "tokenizer.json", tmp_path / "tokenizer.json")
+        PoolTokenizer.load(model_dir("qwen"), bad)
+    shutil.copy(model_dir("qwen") / "tokenizer.json", tmp_path / "tokenizer.json")
     (tmp_path / "tokenizer_config.json").write_text("{not json", encoding="utf-8")
     with pytest.raises(ValueError, match="not readable JSON"):
         PoolTokenizer.load(tmp_path)
