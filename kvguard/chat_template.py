@@ -33,6 +33,26 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 RESERVED_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
 
+# The most text one render may produce. A template can amplify its input (say, the tool list
+# printed again for every message); past this the request is refused instead of the process
+# spending memory and CPU on it. Far above any prompt a context window holds.
+MAX_RENDERED_CHARS = 32 * 1024 * 1024
+
+
+def _bounded(chunks: Iterator[str]) -> str:
+    """Join rendered chunks, refusing output beyond MAX_RENDERED_CHARS as it is produced."""
+    out: list[str] = []
+    size = 0
+    for chunk in chunks:
+        size += len(chunk)
+        if size > MAX_RENDERED_CHARS:
+            raise ChatTemplateError(
+                f"the chat template renders more than {MAX_RENDERED_CHARS} characters"
+            )
+        out.append(chunk)
+    return "".join(out)
+
+
 class ChatTemplateError(ValueError):
     """The template cannot render these messages. The message never quotes prompt text."""
 
@@ -160,7 +180,9 @@ class ChatTemplate:
             "add_generation_prompt": add_generation_prompt,
         }
         try:
-            rendered = self._template.render(context)
+            rendered = _bounded(self._template.generate(context))
+        except ChatTemplateError:
+            raise
         except jinja2.TemplateError as exc:  # raise_exception, undefined names, sandbox refusals
             raise ChatTemplateError(f"chat template failed to render: {_short(str(exc))}") from None
         except (TypeError, AttributeError) as exc:  # their messages name types, not values

@@ -20,7 +20,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from kvguard.chat_messages import lax_bool
-from kvguard.chat_template import ChatTemplate, detect_content_format
+from kvguard.chat_template import ChatTemplate, ChatTemplateError, detect_content_format
 from kvguard.counting import count_prompts
 from kvguard.errors import Refusal
 from kvguard.request import add_special_tokens, parse
@@ -864,3 +864,22 @@ def test_load_errors(tmp_path: Path) -> None:
     (tmp_path / "tokenizer_config.json").write_text("{not json", encoding="utf-8")
     with pytest.raises(ValueError, match="not readable JSON"):
         PoolTokenizer.load(tmp_path)
+
+
+def test_a_template_that_amplifies_its_input_is_cut_off() -> None:
+    # Every message printed 100,000 x 100,000 times: refused once the output passes the limit,
+    # long before the render would finish.
+    source = (
+        "{% for m in messages %}{% for i in range(100000) %}{% for j in range(100000) %}"
+        "{{ m.content }}{% endfor %}{% endfor %}{% endfor %}"
+    )
+    template = ChatTemplate(source, "amplifier")
+    with pytest.raises(ChatTemplateError, match="renders more than"):
+        template.render(
+            [{"role": "user", "content": "x" * 1000}],
+            tools=None,
+            documents=None,
+            add_generation_prompt=True,
+            continue_final_message=False,
+            variables={},
+        )
