@@ -35,6 +35,10 @@ OFFLINE_ENV = {
 }
 
 
+def _lower_priority() -> None:
+    os.nice(10)
+
+
 class VllmError(RuntimeError):
     """vLLM failed to start, exited, or did not become healthy in time."""
 
@@ -146,6 +150,9 @@ class VllmProcess:
             env=self._env,
             cwd=self._workdir,
             start_new_session=True,  # its own process group: stop() ends the engine core too
+            # On these shared cores the engine's busy-waiting threads would starve Envoy and
+            # kvguard (in production vLLM has GPUs and nodes of its own): it yields to them.
+            preexec_fn=_lower_priority,
         )
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
         try:
