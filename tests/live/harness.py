@@ -24,10 +24,15 @@ import aiohttp
 import yaml
 from aiohttp import web
 
-from kvguard import config as configs
-from kvguard.server import Service
-from kvguard.testing.envoy import SHIPPED_CONFIG, EnvoyProcess, render_envoy_config
+from kvguard.capacity import PoolCapacity
+from kvguard.extproc.admin import read_usage
+from kvguard.testing.envoy import (
+    SHIPPED_CONFIG,
+    EnvoyProcess,
+    render_envoy_config,
+)
 from kvguard.testing.vllm import VllmProcess
+from tests.integration.processes import free_port, kvguard_serve
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = ROOT / ".cache" / "models" / "qwen"
@@ -119,11 +124,11 @@ class RecordingProxy:
 
 
 def live_config(
-    endpoint: str, tenancy: dict[str, Any], refresh_seconds: float = 2.0
+    endpoint: str, tenancy: dict[str, Any], refresh_seconds: float = 2.0, port: int = 0
 ) -> dict[str, Any]:
     """kvguard's configuration for the live stack: one pool, capacity discovered from vLLM."""
     return {
-        "server": {"grpc_listen": "127.0.0.1:0", "metrics_listen": ""},
+        "server": {"grpc_listen": f"127.0.0.1:{port}", "metrics_listen": "", "admin": True},
         "ledger": {"url": "memory://", "lease_seconds": 600},
         "tenancy": tenancy,
         "pools": [
@@ -141,16 +146,30 @@ def live_config(
 
 @dataclass
 class Gateway:
+    """Envoy + `kvguard serve` (its own process, as deployed) + the recording proxy. The ledger
+    is read through kvguard's admin API."""
+
     envoy: EnvoyProcess
-    service: Service
+    kvguard_port: int
     proxy: RecordingProxy
 
     @property
     def url(self) -> str:
         return self.envoy.url
 
+    async def usage(self) -> Any:
+        (pool,) = await read_usage(f"127.0.0.1:{self.kvguard_port}")
+        return pool
+
     async def reserved(self) -> int:
-        return (await self.service.ledger.usage("qwen")).reserved
+        return int((await self.usage()).reserved_blocks)
+
+    async def tenant_blocks(self, tenant: str) -> int:
+        return int((await self.usage()).reserved_blocks_by_tenant.get(tenant, 0))
+
+    async def capacity(self) -> PoolCapacity:
+        usage = await self.usage()
+        return PoolCapacity(int(usage.capacity_blocks), int(usage.block_size))
 
 
 @asynccontextmanager
@@ -160,28 +179,24 @@ async def gateway(
     """Envoy + kvguard (capacity discovered from `vllm`'s /metrics) + the proxy in front of it."""
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / "kvguard.yaml"
-    path.write_text(yaml.safe_dump(live_config(vllm.url, tenancy), sort_keys=False))
-    service = Service(configs.load(path, environ={}))
-    await service.start()
+    port = free_port()
+    path.write_text(yaml.safe_dump(live_config(vllm.url, tenancy, port=port), sort_keys=False))
     proxy = RecordingProxy(vllm.url)
     await proxy.start()
-    rendered = render_envoy_config(
-        SHIPPED_CONFIG,
-        listen_port=0,
-        admin_port=0,
-        kvguard_port=service.grpc.port,
-        upstream_port=proxy.port,
-    )
-    envoy = EnvoyProcess(rendered, workdir)
     try:
-        await envoy.start()
-        # Healthy only once kvguard is ready, i.e. once the pool's capacity was discovered.
-        await envoy.wait_cluster_healthy("kvguard", timeout=30)
-        yield Gateway(envoy, service, proxy)
+        async with kvguard_serve(path, port, workdir / "kvguard.log"):
+            rendered = render_envoy_config(
+                SHIPPED_CONFIG,
+                listen_port=0,
+                admin_port=0,
+                kvguard_port=port,
+                upstream_port=proxy.port,
+            )
+            async with EnvoyProcess(rendered, workdir) as envoy:
+                await envoy.wait_cluster_healthy("kvguard", timeout=30)
+                yield Gateway(envoy, port, proxy)
     finally:
-        await envoy.stop()
         await proxy.stop()
-        await service.stop(0)
 
 
 async def wait_until(

@@ -161,7 +161,7 @@ async def test_prompt_tokens_equal_vllm_usage(vllm: VllmProcess, tmp_path: Path)
     assert len(CASES) >= 30
     async with gateway(tmp_path, vllm, TENANCY) as gw, aiohttp.ClientSession() as http:
         # Capacity was discovered from the real /metrics: 64 blocks less the null one, of 128.
-        assert gw.service.capacities.get("qwen") == PoolCapacity(63, 128)
+        assert await gw.capacity() == PoolCapacity(63, 128)
         limit = asyncio.Semaphore(4)
 
         async def one(name: str) -> tuple[str, int, Any]:

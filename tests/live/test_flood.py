@@ -28,6 +28,7 @@ from tests.live.harness import (
     Flood,
     Result,
     gateway,
+    long_chat,
     post,
     preemptions,
     wait_idle,
@@ -105,6 +106,12 @@ class Guarded:
     preemptions: float = -1
 
 
+def retry(seed: int) -> dict[str, Any]:
+    """A noisy retry: a short prompt asking for the same long output (8 blocks): over the quota
+    while the two long requests run, within it once one has finished."""
+    return long_chat("noisy", seed, 40, Flood().noisy_output)
+
+
 async def decided(
     http: aiohttp.ClientSession, url: str, body: dict[str, Any]
 ) -> asyncio.Task[Result]:
@@ -129,7 +136,7 @@ async def guarded(vllm: VllmProcess, tmp_path_factory: pytest.TempPathFactory) -
         gateway(workdir, vllm, TENANCY) as gw,
         aiohttp.ClientSession(timeout=timeout) as http,
     ):
-        out.gw_capacity = gw.service.capacities.get("qwen")
+        out.gw_capacity = await gw.capacity()
         url = gw.url + CHAT
         noisy = [
             asyncio.create_task(post(http, url, flood.noisy(i), "noisy"))
@@ -153,12 +160,9 @@ async def guarded(vllm: VllmProcess, tmp_path_factory: pytest.TempPathFactory) -
         for wave, size in enumerate((flood.quiet_requests, 4, 4)):
             # The noisy tenant retries while its two requests run (not awaited: an admitted
             # retry runs as long as the originals and must not hold the waves back).
-            usage = await gw.service.ledger.usage("qwen")
-            retries.append(
-                (usage.tenants.get("noisy", 0), await decided(http, url, flood.noisy(100 + wave)))
-            )
-            usage = await gw.service.ledger.usage("qwen")
-            out.reserved_before_waves.append(usage.reserved)
+            held = await gw.tenant_blocks("noisy")
+            retries.append((held, await decided(http, url, retry(100 + wave))))
+            out.reserved_before_waves.append(await gw.reserved())
             quiet = [flood.quiet(10 * wave + i) for i in range(size)]
             out.quiet_waves.append(
                 list(await asyncio.gather(*(post(http, url, q, "quiet") for q in quiet)))
@@ -166,12 +170,11 @@ async def guarded(vllm: VllmProcess, tmp_path_factory: pytest.TempPathFactory) -
 
             async def quiet_released() -> bool:
                 # The quiet tenant's leases only: the noisy ones may end any time now.
-                usage = await gw.service.ledger.usage("qwen")
-                return usage.tenants.get("quiet", 0) == 0
+                return await gw.tenant_blocks("quiet") == 0
 
             await wait_until(quiet_released, 10, "the quiet wave's leases released")
-        usage = await gw.service.ledger.usage("qwen")
-        retries.append((usage.tenants.get("noisy", 0), await decided(http, url, flood.noisy(200))))
+        held = await gw.tenant_blocks("noisy")
+        retries.append((held, await decided(http, url, retry(200))))
         out.noisy_retries = [(held, await task) for held, task in retries]
 
         out.noisy_admitted = [r for r in await asyncio.gather(*noisy) if r.status == 200]
