@@ -37,9 +37,8 @@ sys.path.insert(0, str(ROOT))
 
 from kvguard.testing.envoy import (  # noqa: E402
     EXT_PROC_FILTER,
-    SHIPPED_CONFIG,
     EnvoyProcess,
-    render_envoy_config,
+    loopback_config,
     without_http_filter,
 )
 from kvguard.testing.upstream import RecordingUpstream  # noqa: E402
@@ -154,9 +153,7 @@ async def main(quick: bool) -> None:
         [sys.executable, "-m", "kvguard", "serve", "--config", str(work / "kvguard.yaml")],
         stderr=(work / "kvguard.log").open("wb"),
     )
-    guarded_config = render_envoy_config(
-        SHIPPED_CONFIG, listen_port=0, admin_port=0, kvguard_port=port, upstream_port=upstream.port
-    )
+    guarded_config = loopback_config(port, upstream.port)
     bare_config = without_http_filter(guarded_config, EXT_PROC_FILTER)
     (work / "bare").mkdir()
     (work / "guarded").mkdir()

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvguard.ledger.redis_ledger import RedisLedger  # noqa: E402
-from kvguard.testing.envoy import SHIPPED_CONFIG, EnvoyProcess, render_envoy_config  # noqa: E402
+from kvguard.testing.envoy import EnvoyProcess, loopback_config  # noqa: E402
 from kvguard.testing.redis import RedisServer, free_port  # noqa: E402
 from kvguard.testing.upstream import RecordingUpstream  # noqa: E402
 
@@ -103,10 +103,7 @@ async def main(minutes: float, rate: float, fault_every: float) -> None:
         upstream = RecordingUpstream(token_delay=0.01)
         await upstream.start()
         ledger = RedisLedger.from_url(redis.url)
-        rendered = render_envoy_config(
-            SHIPPED_CONFIG, listen_port=0, admin_port=0, kvguard_port=port,
-            upstream_port=upstream.port,
-        )  # fmt: skip
+        rendered = loopback_config(port, upstream.port)
         try:
             async with EnvoyProcess(rendered, work) as envoy, aiohttp.ClientSession() as http:
                 await envoy.wait_cluster_healthy("kvguard", timeout=60)

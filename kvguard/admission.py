@@ -151,7 +151,7 @@ class Admission:
             media_tokens=pool.config.media_tokens,
             max_model_len=pool.config.max_model_len,
         )
-        decision.prompt_tokens = sum(prompt_tokens)
+        prompt_total = decision.prompt_tokens = sum(prompt_tokens)
         limits = clamp(
             kind, request.limits, identity.tier, pool.config.max_model_len, max(prompt_tokens)
         )
@@ -179,7 +179,6 @@ class Admission:
         body = None
         if limits.fields != request.limits:
             body = json.dumps({**request.body, **limits.fields}, ensure_ascii=False).encode()
-        prompt_total = sum(prompt_tokens)
         headers = {
             "x-kvguard-blocks": str(blocks),
             "x-kvguard-prompt-tokens": str(prompt_total),

@@ -35,7 +35,7 @@ from kvguard.sim.engine import EngineConfig, StepCost
 from kvguard.sim.load import Answer, Planned, send_all
 from kvguard.sim.report import percentile
 from kvguard.sim.server import SimServer
-from kvguard.testing.envoy import SHIPPED_CONFIG, EnvoyProcess, render_envoy_config
+from kvguard.testing.envoy import EnvoyProcess, loopback_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / ".cache" / "models" / "qwen"
@@ -156,13 +156,7 @@ async def _guarded(burst: list[Planned], workdir: Path) -> tuple[list[Answer], S
     path.write_text(yaml.safe_dump(demo_config(sim.url), sort_keys=False))
     service = Service(configs.load(path, environ={}))
     await service.start()
-    rendered = render_envoy_config(
-        SHIPPED_CONFIG,
-        listen_port=0,
-        admin_port=0,
-        kvguard_port=service.grpc.port,
-        upstream_port=sim.port,
-    )
+    rendered = loopback_config(service.grpc.port, sim.port)
     envoy = EnvoyProcess(rendered, workdir)
     try:
         await envoy.start()

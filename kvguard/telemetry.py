@@ -43,7 +43,7 @@ class Telemetry:
     def deciding(self, decision: Decision, headers: Mapping[str, str]) -> Iterator[None]:
         """Time, trace and record the decision made inside the block (admitted or refused)."""
         start = time.perf_counter()
-        parent = _PROPAGATOR.extract(dict(headers))
+        parent = _PROPAGATOR.extract(headers)
         with self._tracer.start_as_current_span(
             "kvguard.decision", context=parent, kind=trace.SpanKind.SERVER
         ) as span:

@@ -134,6 +134,18 @@ def validate_envoy_config(path: Path) -> str:
     return output
 
 
+def loopback_config(kvguard_port: int, upstream_port: int) -> dict[str, Any]:
+    """The shipped envoy/envoy.yaml on loopback, in front of this kvguard and upstream (the
+    listener and the admin interface on ports the kernel chooses)."""
+    return render_envoy_config(
+        SHIPPED_CONFIG,
+        listen_port=0,
+        admin_port=0,
+        kvguard_port=kvguard_port,
+        upstream_port=upstream_port,
+    )
+
+
 class EnvoyProcess:
     """A real Envoy started from a rendered configuration; use `async with` or start()/stop().
 

@@ -16,7 +16,7 @@ import pytest
 
 from kvguard import config as configs
 from kvguard.server import Service
-from kvguard.testing.envoy import SHIPPED_CONFIG, EnvoyProcess, render_envoy_config
+from kvguard.testing.envoy import EnvoyProcess, loopback_config
 from kvguard.testing.upstream import RecordingUpstream
 from tests.conftest import kvguard_config, write_config
 
@@ -66,13 +66,7 @@ async def gateway(tmp_path: Path, **config: Any) -> AsyncIterator[Gateway]:
     await service.start()
     upstream = RecordingUpstream()
     await upstream.start()
-    rendered = render_envoy_config(
-        SHIPPED_CONFIG,
-        listen_port=0,
-        admin_port=0,
-        kvguard_port=service.grpc.port,
-        upstream_port=upstream.port,
-    )
+    rendered = loopback_config(service.grpc.port, upstream.port)
     envoy = EnvoyProcess(rendered, tmp_path)
     try:
         await envoy.start()

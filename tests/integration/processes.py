@@ -9,12 +9,9 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from kvguard.testing.envoy import SHIPPED_CONFIG, render_envoy_config
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -59,14 +56,3 @@ async def kvguard_serve(
             if process.returncode is None:
                 process.kill()
                 await process.wait()
-
-
-def envoy_config(kvguard_port: int, upstream_port: int) -> dict[str, Any]:
-    """envoy/envoy.yaml on loopback, in front of this kvguard and upstream."""
-    return render_envoy_config(
-        SHIPPED_CONFIG,
-        listen_port=0,
-        admin_port=0,
-        kvguard_port=kvguard_port,
-        upstream_port=upstream_port,
-    )

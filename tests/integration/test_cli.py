@@ -12,13 +12,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from kvguard.testing.envoy import EnvoyProcess
+from kvguard.testing.envoy import EnvoyProcess, loopback_config
 from kvguard.testing.upstream import RecordingUpstream
 from tests.conftest import kvguard_config, write_config
 from tests.integration.processes import (
     NOT_SERVING,
     SERVING,
-    envoy_config,
     free_port,
     health,
     kvguard_serve,
@@ -75,7 +74,7 @@ async def test_serve_admits_through_envoy_and_exits_0_on_sigterm(tmp_path: Path)
     await upstream.start()
     try:
         async with kvguard_serve(path, port, log_path) as process:
-            async with EnvoyProcess(envoy_config(port, upstream.port), tmp_path) as envoy:
+            async with EnvoyProcess(loopback_config(port, upstream.port), tmp_path) as envoy:
                 await envoy.wait_cluster_healthy("kvguard")
                 async with (
                     aiohttp.ClientSession() as http,
@@ -103,7 +102,7 @@ async def test_sigterm_drains_open_streams_then_exits_0(tmp_path: Path) -> None:
     try:
         async with (
             kvguard_serve(path, port, log_path) as process,
-            EnvoyProcess(envoy_config(port, upstream.port), tmp_path) as envoy,
+            EnvoyProcess(loopback_config(port, upstream.port), tmp_path) as envoy,
             aiohttp.ClientSession() as http,
         ):
             await envoy.wait_cluster_healthy("kvguard")

@@ -13,12 +13,12 @@ import aiohttp
 import pytest
 
 from kvguard.ledger.redis_ledger import RedisLedger
-from kvguard.testing.envoy import EnvoyProcess
+from kvguard.testing.envoy import EnvoyProcess, loopback_config
 from kvguard.testing.redis import RedisServer
 from kvguard.testing.upstream import RecordingUpstream
 from tests.conftest import kvguard_config, write_config
 from tests.integration.conftest import gateway, wait_until
-from tests.integration.processes import envoy_config, free_port, kvguard_serve
+from tests.integration.processes import free_port, kvguard_serve
 
 pytestmark = pytest.mark.integration
 
@@ -38,7 +38,7 @@ async def test_a_killed_kvguards_leases_come_back_within_the_lease_time(tmp_path
         try:
             async with (
                 kvguard_serve(path, port, tmp_path / "kvguard.log") as process,
-                EnvoyProcess(envoy_config(port, upstream.port), tmp_path) as envoy,
+                EnvoyProcess(loopback_config(port, upstream.port), tmp_path) as envoy,
                 aiohttp.ClientSession() as http,
             ):
                 await envoy.wait_cluster_healthy("kvguard")

@@ -27,9 +27,8 @@ from aiohttp import web
 from kvguard.capacity import PoolCapacity
 from kvguard.extproc.admin import read_usage
 from kvguard.testing.envoy import (
-    SHIPPED_CONFIG,
     EnvoyProcess,
-    render_envoy_config,
+    loopback_config,
 )
 from kvguard.testing.vllm import VllmProcess
 from tests.integration.processes import free_port, kvguard_serve
@@ -185,13 +184,7 @@ async def gateway(
     await proxy.start()
     try:
         async with kvguard_serve(path, port, workdir / "kvguard.log"):
-            rendered = render_envoy_config(
-                SHIPPED_CONFIG,
-                listen_port=0,
-                admin_port=0,
-                kvguard_port=port,
-                upstream_port=proxy.port,
-            )
+            rendered = loopback_config(port, proxy.port)
             async with EnvoyProcess(rendered, workdir) as envoy:
                 await envoy.wait_cluster_healthy("kvguard", timeout=30)
                 yield Gateway(envoy, port, proxy)
