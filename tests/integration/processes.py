@@ -1,4 +1,4 @@
-"""`kvguard serve` as a real process for the tests, and the shipped Envoy in front of it."""
+"""`kvguard serve` as a real process for the tests: started, waited on, cleaned up."""
 
 from __future__ import annotations
 
