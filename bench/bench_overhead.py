@@ -2,13 +2,23 @@
 
 Two Envoys from envoy/envoy.yaml in the same run: one with the ext_proc filter removed (bare),
 one with kvguard (`kvguard serve`, its own process, memory ledger) in front of the same local
-upstream. A separate load process sends chat requests at fixed rates (open loop: arrivals do not
-wait for answers) and records end-to-end latency; kvguard's CPU time comes from /proc.
+upstream. Load comes from a separate process; kvguard's CPU time comes from /proc.
 
-Prints, per prompt size and rate: p50/p99/p99.9 for bare and guarded and their difference; the
-admissions per second one kvguard core sustains (requests / kvguard CPU seconds); and, for 8k and
-32k-token prompts, the decision latency and any Envoy message timeouts (504). Writes
-bench-results/overhead.json.
+Chat prompts are calibrated to exactly 100, 1k, 8k and 32k Qwen prompt tokens as kvguard counts
+them. Two workloads:
+- `unique`: every request's text differs (a request number leads the message), so nothing
+  kvguard has counted before helps;
+- `history`: a multi-turn chat: a shared system prompt and earlier turns make up ~90 % of the
+  prompt, and only the last user message is new (what chat traffic mostly looks like).
+
+Per prompt size and workload it prints and writes to bench-results/overhead.json:
+1. capacity: closed loop (CONCURRENCY streams, back to back) through Envoy + kvguard: requests/s
+   and the admissions one kvguard core sustains (requests / kvguard CPU seconds);
+2. added latency at 60 % of that capacity (open loop: arrivals do not wait for answers):
+   p50/p99/p99.9 bare and guarded, and their difference;
+3. decision latency of 8k and 32k-token prompts alone (4 requests/s), against bare;
+4. saturation with 32k-token prompts mixed in (one request in 20, closed loop): Envoy's message
+   timeouts (504) must stay at 0; busy refusals (503 with retry-after) are counted apart.
 
     .venv/bin/python bench/bench_overhead.py [--quick]
 """
@@ -20,11 +30,11 @@ import asyncio
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +52,16 @@ from kvguard.testing.envoy import (  # noqa: E402
     without_http_filter,
 )
 from kvguard.testing.upstream import RecordingUpstream  # noqa: E402
+from kvguard.tokenizer import PoolTokenizer  # noqa: E402
 
+TOKENIZER = ROOT / ".cache" / "models" / "qwen"
 WORDS = (ROOT / "README.md").read_text().split()
 TICKS = os.sysconf("SC_CLK_TCK")
+CONCURRENCY = 16
+LOAD_SHARE = 0.6  # the fraction of measured capacity at which latency is measured
+NONCE = "00000000"  # replaced by the request number: 8 digits, 8 tokens, whatever the number
+HISTORY_SHARE = 0.9  # of a `history` prompt's tokens, the part earlier requests already sent
+MIX_EVERY = 20  # saturation mix: one request in this many carries a 32k-token prompt
 
 
 def free_port() -> int:
@@ -58,76 +75,169 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
 
 
-def chat_body(tokens: int, i: int) -> bytes:
-    # ~1.3 words per token on English prose: enough for a prompt of about `tokens` tokens.
-    text = " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(int(tokens / 1.3)))
-    body = {"model": "qwen", "max_tokens": 16, "messages": [{"role": "user", "content": text}]}
-    return json.dumps(body).encode()
+def _text(words: int, start: int) -> str:
+    return " ".join(WORDS[(start + k) % len(WORDS)] for k in range(words))
 
 
-async def load(url: str, bodies: list[bytes], rate: float, seconds: float) -> dict[str, Any]:
-    """Open-loop load: request i starts at i / rate, whatever happened to the others."""
+def _chat(system: str, turns: list[str], last: str) -> dict[str, Any]:
+    messages = [{"role": "system", "content": system}]
+    for k, turn in enumerate(turns):
+        messages.append({"role": "user" if k % 2 == 0 else "assistant", "content": turn})
+    messages.append({"role": "user", "content": f"{NONCE} {last}"})
+    return {"model": "qwen", "max_tokens": 16, "messages": messages}
+
+
+def calibrated_body(tokenizer: PoolTokenizer, tokens: int, workload: str) -> dict[str, Any]:
+    """A chat body of exactly `tokens` prompt tokens (as kvguard and vLLM count them), with
+    NONCE where the request number goes. `history`: the last user message holds only
+    1 - HISTORY_SHARE of the tokens; the system prompt and four earlier turns hold the rest."""
+
+    def body(words: int) -> dict[str, Any]:
+        if workload == "unique":
+            return _chat("You are a helpful assistant.", [], _text(words, 0))
+        new = max(1, int(words * (1 - HISTORY_SHARE)))
+        old = (words - new) // 5
+        turns = [_text(old, 1000 * (k + 1)) for k in range(4)]
+        return _chat(_text(old, 0), turns, _text(new, 7000))
+
+    def count(words: int) -> int:
+        return tokenizer.count(tokenizer.chat_prompt(body(words)).text, False)
+
+    low, high = 1, tokens  # at least one token per word
+    while low < high:  # the most words whose prompt stays within `tokens`
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if count(mid) <= tokens else (low, mid - 1)
+    chat = body(low)
+    short = tokens - count(low)  # pad the new message with single-token words
+    chat["messages"][-1]["content"] += " a" * short
+    assert count_body(tokenizer, chat) == tokens, (tokens, count_body(tokenizer, chat))
+    return chat
+
+
+def count_body(tokenizer: PoolTokenizer, chat: dict[str, Any]) -> int:
+    return tokenizer.count(tokenizer.chat_prompt(chat).text, False)
+
+
+class Bodies:
+    """Request i's body: the calibrated body with request number i in place of NONCE."""
+
+    def __init__(self, chat: dict[str, Any]) -> None:
+        prefix, suffix = json.dumps(chat).split(NONCE)
+        self._prefix, self._suffix = prefix.encode(), suffix.encode()
+
+    def __call__(self, i: int) -> bytes:
+        return b"%s%08d%s" % (self._prefix, i % 10**8, self._suffix)
+
+    def spec(self) -> list[str]:
+        return [self._prefix.decode(), self._suffix.decode()]
+
+    @classmethod
+    def from_spec(cls, spec: list[str]) -> Bodies:
+        bodies = cls.__new__(cls)
+        bodies._prefix, bodies._suffix = spec[0].encode(), spec[1].encode()
+        return bodies
+
+
+def _summary(latencies: list[float], statuses: Counter[int], seconds: float) -> dict[str, Any]:
+    latencies.sort()
+
+    def pct(q: float) -> float:
+        if not latencies:
+            return float("nan")
+        return latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1000
+
+    return {
+        "requests": len(latencies),
+        "per_s": len(latencies) / seconds,
+        "statuses": {str(k): v for k, v in sorted(statuses.items())},
+        "p50_ms": pct(0.50),
+        "p99_ms": pct(0.99),
+        "p999_ms": pct(0.999),
+    }
+
+
+async def _post(http: aiohttp.ClientSession, url: str, body: bytes, i: int) -> int:
+    async with http.post(
+        url + "/v1/chat/completions",
+        data=body,
+        headers={"content-type": "application/json", "x-tenant-id": f"t{i % 8}"},
+    ) as response:
+        await response.read()
+        return response.status
+
+
+async def open_loop(url: str, bodies: Bodies, rate: float, seconds: float) -> dict[str, Any]:
+    """Request i starts at i / rate, whatever happened to the others."""
     latencies: list[float] = []
-    statuses: dict[int, int] = {}
-    total = int(rate * seconds)
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as http:
+    statuses: Counter[int] = Counter()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
 
         async def one(i: int) -> None:
             start = time.perf_counter()
-            async with http.post(
-                url + "/v1/chat/completions",
-                data=bodies[i % len(bodies)],
-                headers={"content-type": "application/json", "x-tenant-id": f"t{i % 8}"},
-            ) as response:
-                await response.read()
-                statuses[response.status] = statuses.get(response.status, 0) + 1
+            statuses[await _post(http, url, bodies(i), i)] += 1
             latencies.append(time.perf_counter() - start)
 
         t0 = time.perf_counter()
         tasks = []
-        for i in range(total):
+        for i in range(int(rate * seconds)):
             delay = t0 + i / rate - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(i)))
         await asyncio.gather(*tasks)
-    latencies.sort()
+    return _summary(latencies, statuses, seconds)
 
-    def pct(q: float) -> float:
-        return latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1000
 
-    return {
-        "requests": total,
-        "statuses": statuses,
-        "p50_ms": pct(0.50),
-        "p99_ms": pct(0.99),
-        "p999_ms": pct(0.999),
-        "mean_ms": statistics.fmean(latencies) * 1000,
+async def closed_loop(
+    url: str, bodies: Bodies, seconds: float, large: Bodies | None = None
+) -> dict[str, Any]:
+    """CONCURRENCY streams send back to back for `seconds`; with `large`, request i uses it
+    when i % MIX_EVERY == 0 (reported apart as "large")."""
+    kinds: dict[str, tuple[list[float], Counter[int]]] = {
+        "small": ([], Counter()),
+        "large": ([], Counter()),
     }
+    counter = iter(range(10**9))
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+        deadline = time.perf_counter() + seconds
+
+        async def stream() -> None:
+            while time.perf_counter() < deadline:
+                i = next(counter)
+                is_large = large is not None and i % MIX_EVERY == 0
+                latencies, statuses = kinds["large" if is_large else "small"]
+                start = time.perf_counter()
+                statuses[await _post(http, url, (large if is_large else bodies)(i), i)] += 1
+                latencies.append(time.perf_counter() - start)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(stream() for _ in range(CONCURRENCY)))
+        elapsed = time.perf_counter() - t0
+    result = _summary(*kinds["small"], elapsed)
+    if large is not None:
+        result["large"] = _summary(*kinds["large"], elapsed)
+    return result
 
 
-def load_in_subprocess(url: str, tokens: int, rate: float, seconds: float) -> dict[str, Any]:
-    """Run `load` in its own process, so the client's CPU is not kvguard's or Envoy's."""
+def in_subprocess(call: str, *args: Any) -> dict[str, Any]:
+    """Run open_loop/closed_loop in its own process, so the client's CPU is not kvguard's or
+    Envoy's. Bodies travel as specs."""
+    spec = json.dumps([a.spec() if isinstance(a, Bodies) else a for a in args])
     code = (
         f"import json, sys, uvloop; sys.path.insert(0, {str(ROOT)!r}); "
-        "from bench.bench_overhead import chat_body, load; "
-        f"bodies = [chat_body({tokens}, i) for i in range(64)]; "
-        f"print(json.dumps(uvloop.run(load({url!r}, bodies, {rate!r}, {seconds!r}))))"
+        "from bench.bench_overhead import Bodies, open_loop, closed_loop; "
+        "args = [Bodies.from_spec(a) if isinstance(a, list) else a "
+        "for a in json.loads(sys.stdin.read())]; "
+        f"print(json.dumps(uvloop.run({call}(*args))))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], input=spec, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"the load process failed:\n{out.stderr}")
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-async def main(quick: bool) -> None:
-    seconds = 5.0 if quick else 15.0
-    rates = [50.0, 150.0] if quick else [50.0, 150.0, 300.0]
-    results: dict[str, Any] = {"seconds_per_point": seconds, "points": [], "large": []}
-    upstream = RecordingUpstream()
-    await upstream.start()
-    work = Path(tempfile.mkdtemp(prefix="kvguard-bench-"))
-    port = free_port()
-    kv_config = {
+def kvguard_config(port: int) -> dict[str, Any]:
+    return {
         "server": {
             "grpc_listen": f"127.0.0.1:{port}",
             "metrics_listen": "",
@@ -142,13 +252,131 @@ async def main(quick: bool) -> None:
             {
                 "name": "qwen",
                 "models": ["qwen"],
-                "tokenizer": str(ROOT / ".cache" / "models" / "qwen"),
+                "tokenizer": str(TOKENIZER),
                 "max_model_len": 65536,
                 "capacity": {"blocks": 10**7, "block_size": 16},
             }
         ],
     }
-    (work / "kvguard.yaml").write_text(yaml.safe_dump(kv_config))
+
+
+def _ms(x: float) -> str:
+    return f"{x:6.2f}"
+
+
+async def run(
+    quick: bool, bare_url: str, guarded_url: str, kvguard_pid: int, upstream: RecordingUpstream
+) -> dict[str, Any]:
+    seconds = 5.0 if quick else 15.0
+    tokenizer = PoolTokenizer.load(TOKENIZER)
+    results: dict[str, Any] = {
+        "seconds_per_point": seconds,
+        "concurrency": CONCURRENCY,
+        "cpus": os.cpu_count(),
+        "capacity": [],
+        "latency": [],
+        "large": [],
+        "saturation_mix": {},
+    }
+
+    async def client(call: str, *args: Any) -> dict[str, Any]:
+        try:
+            return await asyncio.to_thread(in_subprocess, call, *args)
+        finally:
+            upstream.clear()  # it records every request: keep its memory flat
+
+    async def measured(call: str, *args: Any) -> tuple[dict[str, Any], float]:
+        cpu0 = cpu_seconds(kvguard_pid)
+        result = await client(call, *args)
+        return result, cpu_seconds(kvguard_pid) - cpu0
+
+    for workload in ("unique", "history"):
+        for tokens in (100, 1000):
+            bodies = Bodies(calibrated_body(tokenizer, tokens, workload))
+            await client("closed_loop", guarded_url, bodies, 1.0)
+            sat, cpu = await measured("closed_loop", guarded_url, bodies, seconds)
+            per_core = sat["requests"] / cpu
+            results["capacity"].append(
+                {
+                    "workload": workload,
+                    "prompt_tokens": tokens,
+                    "closed_loop": sat,
+                    "kvguard_cpu_ms_per_request": cpu * 1000 / sat["requests"],
+                    "admissions_per_core_s": per_core,
+                }
+            )
+            print(
+                f"{workload:>7} {tokens:>5} tok capacity: {sat['per_s']:6.0f} req/s "
+                f"(p50 {_ms(sat['p50_ms'])} ms) | kvguard {cpu * 1000 / sat['requests']:.3f} "
+                f"ms CPU/req = {per_core:5.0f} admissions/s/core | {sat['statuses']}",
+                flush=True,
+            )
+            rate = round(LOAD_SHARE * sat["per_s"])
+            bare = await client("open_loop", bare_url, bodies, rate, seconds)
+            guarded, cpu = await measured("open_loop", guarded_url, bodies, rate, seconds)
+            point = {
+                "workload": workload,
+                "prompt_tokens": tokens,
+                "rate": rate,
+                "bare": bare,
+                "guarded": guarded,
+                "added_p50_ms": guarded["p50_ms"] - bare["p50_ms"],
+                "added_p99_ms": guarded["p99_ms"] - bare["p99_ms"],
+                "added_p999_ms": guarded["p999_ms"] - bare["p999_ms"],
+                "kvguard_cpu_ms_per_request": cpu * 1000 / guarded["requests"],
+            }
+            results["latency"].append(point)
+            print(
+                f"{workload:>7} {tokens:>5} tok {rate:>5} req/s (60 %): bare p50 "
+                f"{_ms(bare['p50_ms'])} p99 {_ms(bare['p99_ms'])} | guarded p50 "
+                f"{_ms(guarded['p50_ms'])} p99 {_ms(guarded['p99_ms'])} p99.9 "
+                f"{_ms(guarded['p999_ms'])} | added p50 {_ms(point['added_p50_ms'])} p99 "
+                f"{_ms(point['added_p99_ms'])} p99.9 {_ms(point['added_p999_ms'])} ms | "
+                f"{guarded['statuses']}",
+                flush=True,
+            )
+    large_bodies = {}
+    for tokens in (8000, 32000):
+        bodies = large_bodies[tokens] = Bodies(calibrated_body(tokenizer, tokens, "unique"))
+        bare = await client("open_loop", bare_url, bodies, 4.0, seconds)
+        guarded = await client("open_loop", guarded_url, bodies, 4.0, seconds)
+        added = guarded["p50_ms"] - bare["p50_ms"], guarded["p99_ms"] - bare["p99_ms"]
+        results["large"].append(
+            {
+                "prompt_tokens": tokens,
+                "rate": 4.0,
+                "bare": bare,
+                "guarded": guarded,
+                "added_p50_ms": added[0],
+                "added_p99_ms": added[1],
+            }
+        )
+        print(
+            f"unique {tokens:>6} tok     4 req/s: guarded p50 {_ms(guarded['p50_ms'])} p99 "
+            f"{_ms(guarded['p99_ms'])} | added p50 {_ms(added[0])} p99 {_ms(added[1])} ms | "
+            f"{guarded['statuses']}",
+            flush=True,
+        )
+    small = Bodies(calibrated_body(tokenizer, 1000, "unique"))
+    mix = await client("closed_loop", guarded_url, small, seconds, large_bodies[32000])
+    results["saturation_mix"] = mix
+    timeouts = mix["statuses"].get("504", 0) + mix["large"]["statuses"].get("504", 0)
+    print(
+        f"saturation, 1k-token prompts with one 32k in {MIX_EVERY}: {mix['per_s']:.0f} req/s | "
+        f"1k p50 {_ms(mix['p50_ms'])} p99 {_ms(mix['p99_ms'])} {mix['statuses']} | 32k p50 "
+        f"{_ms(mix['large']['p50_ms'])} p99 {_ms(mix['large']['p99_ms'])} "
+        f"{mix['large']['statuses']} | message timeouts (504): {timeouts}",
+        flush=True,
+    )
+    return results
+
+
+async def main(quick: bool) -> None:
+    upstream = RecordingUpstream()
+    await upstream.start()
+    work = Path(tempfile.mkdtemp(prefix="kvguard-bench-"))
+    port = free_port()
+    (work / "kvguard.yaml").write_text(yaml.safe_dump(kvguard_config(port)))
     kvguard = subprocess.Popen(
         [sys.executable, "-m", "kvguard", "serve", "--config", str(work / "kvguard.yaml")],
         stderr=(work / "kvguard.log").open("wb"),
@@ -163,44 +391,7 @@ async def main(quick: bool) -> None:
             EnvoyProcess(guarded_config, work / "guarded") as guarded,
         ):
             await guarded.wait_cluster_healthy("kvguard", timeout=60)
-            for tokens in (100, 1000):
-                for rate in rates:
-                    b = await asyncio.to_thread(load_in_subprocess, bare.url, tokens, rate, seconds)
-                    cpu0 = cpu_seconds(kvguard.pid)
-                    g = await asyncio.to_thread(
-                        load_in_subprocess, guarded.url, tokens, rate, seconds
-                    )
-                    cpu = cpu_seconds(kvguard.pid) - cpu0
-                    point = {
-                        "prompt_tokens": tokens,
-                        "rate": rate,
-                        "bare": b,
-                        "guarded": g,
-                        "added_p50_ms": g["p50_ms"] - b["p50_ms"],
-                        "added_p99_ms": g["p99_ms"] - b["p99_ms"],
-                        "added_p999_ms": g["p999_ms"] - b["p999_ms"],
-                        "kvguard_cpu_ms_per_request": cpu * 1000 / g["requests"],
-                        "admissions_per_core_s": g["requests"] / cpu if cpu else None,
-                    }
-                    results["points"].append(point)
-                    print(
-                        f"{tokens:>5} tok {rate:>5.0f} rps | bare p50 {b['p50_ms']:6.2f} "
-                        f"p99 {b['p99_ms']:6.2f} | guarded p50 {g['p50_ms']:6.2f} "
-                        f"p99 {g['p99_ms']:6.2f} p99.9 {g['p999_ms']:6.2f} | added p50 "
-                        f"{point['added_p50_ms']:5.2f} p99 {point['added_p99_ms']:5.2f} ms | "
-                        f"kvguard {point['kvguard_cpu_ms_per_request']:.2f} ms CPU/req "
-                        f"(~{point['admissions_per_core_s'] or 0:.0f} adm/s/core) "
-                        f"{g['statuses']}",
-                        flush=True,
-                    )
-            for tokens in (8000, 32000):
-                g = await asyncio.to_thread(load_in_subprocess, guarded.url, tokens, 4.0, seconds)
-                results["large"].append({"prompt_tokens": tokens, "rate": 4.0, "guarded": g})
-                print(
-                    f"{tokens:>5} tok     4 rps | guarded p50 {g['p50_ms']:7.2f} "
-                    f"p99 {g['p99_ms']:7.2f} ms | statuses {g['statuses']} (504 = message timeout)",
-                    flush=True,
-                )
+            results = await run(quick, bare.url, guarded.url, kvguard.pid, upstream)
     finally:
         kvguard.terminate()
         kvguard.wait(30)
