@@ -1,10 +1,11 @@
 """Prompt-token counting: throughput and decision latency (a benchmark, not a test).
 
 For chat prompts of about 100, 1k, 8k and 32k Qwen tokens it prints:
-- counting throughput (tokens/s) of `count_prompts` on one thread, inline (`encode`) and as
-  the pool runs it (`encode_batch`);
-- decision latency p50/p99, alone (one request at a time) and concurrent (--concurrency streams
-  in flight, closed loop), measured two ways, both in this process:
+- counting throughput (tokens/s) of `count_prompts` on one thread, for text never counted
+  before (`new`) and for the same requests again (`seen`: kvguard.segments remembers them);
+- decision latency p50/p99 for text never counted before, alone (one request at a time) and
+  concurrent (--concurrency streams in flight, closed loop), measured two ways, both in this
+  process:
   `decide`   = Admission.decide (parse, count, clamp, reserve; no gRPC);
   `protocol` = the full ext_proc round trip over real gRPC to the in-process Service, from
                writing the body message to reading its answer (client and server share one
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 import statistics
@@ -92,6 +94,15 @@ def bodies(tokenizer: PoolTokenizer, tokens: int, count: int, seed: int) -> list
     return [b.encode() for b in out]
 
 
+_NONCES = itertools.count()
+
+
+def new_text(body: bytes) -> bytes:
+    """The body with a number no request had before leading its message: text never counted
+    (kvguard.segments would otherwise remember it from an earlier send)."""
+    return body.replace(b'"content": "', b'"content": "%d ' % next(_NONCES), 1)
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -110,12 +121,12 @@ def summary(
 
 
 def throughput(tokenizer: PoolTokenizer, raw: list[bytes]) -> dict[str, Any]:
-    """count_prompts on one thread: tokens/s inline (encode) and as the pool runs it."""
+    """count_prompts on one thread: tokens/s for new text, then for the same text again."""
     out: dict[str, Any] = {}
     requests = [parse("chat", b) for b in raw]
-    for name, batch in (("inline", False), ("pool_path", True)):
+    for name in ("new", "seen"):
         start = time.perf_counter()
-        tokens = sum(sum(count_prompts(tokenizer, r, batch=batch)) for r in requests)
+        tokens = sum(sum(count_prompts(tokenizer, r)) for r in requests)
         out[f"{name}_tokens_per_s"] = round(tokens / (time.perf_counter() - start))
     out["tokens_per_request"] = round(tokens / len(requests))
     out["body_bytes"] = round(statistics.mean(len(b) for b in raw))
@@ -136,7 +147,7 @@ async def closed_loop(send: Send, raw: list[bytes], concurrency: int) -> dict[st
     async def worker() -> None:
         nonlocal tokens
         while queue:
-            outcome, counted, seconds = await send(queue.pop())
+            outcome, counted, seconds = await send(new_text(queue.pop()))
             latencies.append(seconds)
             tokens += counted
             if outcome != "admitted":
@@ -204,7 +215,7 @@ async def mixed(
     async def background() -> None:
         i = 0
         while not stop.is_set():
-            await send(large[i % len(large)])
+            await send(new_text(large[i % len(large)]))
             i += 1
 
     tasks = [asyncio.create_task(background()) for _ in range(large_streams)]
@@ -271,8 +282,8 @@ def print_row(size: str, row: dict[str, Any]) -> None:
     c = row["count"]
     print(
         f"{size:>4} tokens ({c['tokens_per_request']} tok, {c['body_bytes']} B): count "
-        f"{c['inline_tokens_per_s']:,} tok/s inline, "
-        f"{c['pool_path_tokens_per_s']:,} tok/s pool path"
+        f"{c['new_tokens_per_s']:,} tok/s new text, "
+        f"{c['seen_tokens_per_s']:,} tok/s seen before"
     )
     for key in ("decide_alone", "decide_concurrent", "protocol_alone", "protocol_concurrent"):
         r = row[key]

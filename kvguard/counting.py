@@ -13,9 +13,9 @@ from kvguard.request import InferenceRequest, add_special_tokens, prompts_of
 from kvguard.tokenizer import PoolTokenizer, TokenizerError
 
 # Where a count runs, by body size (bench/bench_tokens.py has the measurements, Qwen, 2 CPUs).
-# Counting costs ~0.4 µs per body byte of text and holds the GIL inline: bodies up to 4 KiB
-# stall the event loop at most ~1.5 ms; for them a thread hop (~20 µs) saves little and may
-# queue behind longer counts. Larger ones go to threads, where encode_batch releases the GIL.
+# Counting new text costs ~0.4 µs per body byte: bodies up to 4 KiB stall the event loop at
+# most ~1.5 ms; for them a thread hop (~20 µs) saves little and may queue behind longer counts.
+# Larger ones go to threads (tokenizing releases the GIL, so they run in parallel).
 # Bodies above LONG_BODY_BYTES (~15k tokens, ~25 ms and up) may take all threads but one, so
 # that shorter counts never wait behind a 32k-token prompt (measured: 1k-token decisions
 # during a 32k flood went from p50 ~90 ms, queued behind them, to ~5 ms).
@@ -34,7 +34,6 @@ def count_prompts(
     tokenizer: PoolTokenizer,
     request: InferenceRequest,
     *,
-    batch: bool,
     media_tokens: Mapping[str, int] | None = None,
     max_model_len: int | None = None,
 ) -> list[int]:
@@ -42,8 +41,7 @@ def count_prompts(
     of a completion. Raises Refusal(invalid_request) where vLLM would answer 400.
 
     `media_tokens` is the pool's declared cost per media content-part type (chat only);
-    `max_model_len` resolves `truncate_prompt_tokens: -1`. `batch` selects encode_batch,
-    which releases the GIL (for worker threads).
+    `max_model_len` resolves `truncate_prompt_tokens: -1`.
     """
     special = add_special_tokens(request)
     param = "messages" if request.kind == "chat" else "prompt"
@@ -56,11 +54,7 @@ def count_prompts(
         else:
             prompts = prompts_of(request)
         texts = [p for p in prompts if isinstance(p, str)]
-        counted = (
-            tokenizer.count_many(texts, special)
-            if batch
-            else [tokenizer.count(t, special) for t in texts]
-        )
+        counted = tokenizer.count_many(texts, special)
     except TokenizerError as exc:
         raise invalid(str(exc), param) from None
     text_counts = iter(counted)
@@ -140,7 +134,7 @@ class PromptCounter:
             max_model_len=max_model_len,
         )
         if body_bytes <= INLINE_BODY_BYTES:
-            return work(batch=False)
+            return work()
         if self._too_busy(body_bytes):
             raise Refusal(
                 Code.INTERNAL_ERROR,
@@ -189,5 +183,5 @@ class PromptCounter:
 def _timed(work: Callable[..., list[int]]) -> tuple[list[int], float]:
     """The pool's count and the seconds its thread spent on it."""
     start = time.perf_counter()
-    counts = work(batch=True)
+    counts = work()
     return counts, time.perf_counter() - start

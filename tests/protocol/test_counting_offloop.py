@@ -82,7 +82,8 @@ def big_chat(tokens: int) -> dict[str, Any]:
 
 class PoolWatch:
     """Instruments a pool's tokenizer: notes when a count starts on a worker thread, and can
-    hold pool counts (after their real work) until released, with a deadline."""
+    hold pool counts (after their real work) until released, with a deadline. Counts on the
+    event loop's thread pass straight through."""
 
     def __init__(self, tokenizer: PoolTokenizer, *, gated: bool) -> None:
         self.started = threading.Semaphore(0)
@@ -94,6 +95,8 @@ class PoolWatch:
         self._count_many = tokenizer.count_many
 
     def count_many(self, texts: list[str], special: bool) -> list[int]:
+        if threading.current_thread() is threading.main_thread():
+            return self._count_many(texts, special)
         with self.lock:
             self.running += 1
             self.most_running = max(self.most_running, self.running)

@@ -307,11 +307,12 @@ CHATS, COMPLETIONS = _corpus()
 
 
 def _counted(tokenizer: PoolTokenizer, kind: str, body: dict[str, Any], **kw: Any) -> list[int]:
-    """count_prompts on a parse()d request, inline and batched: both must agree."""
+    """count_prompts on a parse()d request, twice: the second count finds the text's segments
+    counted before (kvguard.segments), and both must agree."""
     request = parse(kind, json.dumps(body).encode())
-    inline = count_prompts(tokenizer, request, batch=False, **kw)
-    assert count_prompts(tokenizer, request, batch=True, **kw) == inline
-    return inline
+    first = count_prompts(tokenizer, request, **kw)
+    assert count_prompts(tokenizer, request, **kw) == first
+    return first
 
 
 def test_corpus_size() -> None:
@@ -502,7 +503,7 @@ def test_pool_chat_template_file_is_loaded_through_the_config(tmp_path: Path) ->
     body = {"model": "qwen", "messages": [ASK]}
     assert built.tokenizer.render_chat(body) == "[user] Weather in Paris?\n[assistant] "
     request = parse("chat", json.dumps(body).encode())
-    assert count_prompts(built.tokenizer, request, batch=False) == [
+    assert count_prompts(built.tokenizer, request) == [
         built.tokenizer.count("[user] Weather in Paris?\n[assistant] ", False)
     ]
 
@@ -511,8 +512,9 @@ def test_pool_chat_template_file_is_loaded_through_the_config(tmp_path: Path) ->
 
 
 class _Gated:
-    """Wraps a tokenizer so that counts of texts longer than `gate_chars` (on threads) block
-    until released, with a deadline; records how many ran at once."""
+    """Wraps a tokenizer so that counts on threads of texts longer than `gate_chars` block
+    until released, with a deadline; records how many ran at once, and the counts made on the
+    event loop's thread (`inline`)."""
 
     def __init__(self, tokenizer: PoolTokenizer, gate_chars: int = 0) -> None:
         self._tokenizer = tokenizer
@@ -520,12 +522,15 @@ class _Gated:
         self.release = threading.Event()
         self.started = threading.Semaphore(0)
         self.lock = threading.Lock()
-        self.running = self.most_running = 0
+        self.running = self.most_running = self.inline = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tokenizer, name)
 
     def count_many(self, texts: list[str], special: bool) -> list[int]:
+        if threading.current_thread() is threading.main_thread():
+            self.inline += 1
+            return self._tokenizer.count_many(texts, special)
         if sum(map(len, texts)) <= self._gate_chars:
             return self._tokenizer.count_many(texts, special)
         with self.lock:
@@ -557,7 +562,7 @@ async def test_where_each_size_is_counted(qwen: PoolTokenizer) -> None:
         small, small_bytes = _completion(10)
         assert small_bytes <= INLINE_BODY_BYTES
         assert await counter.count(gate, small, small_bytes) == [10]
-        assert gate.most_running == 0  # counted on the event loop
+        assert (gate.inline, gate.most_running) == (1, 0)  # counted on the event loop
         medium, medium_bytes = _completion(5000)
         assert INLINE_BODY_BYTES < medium_bytes <= LONG_BODY_BYTES
         task = asyncio.create_task(counter.count(gate, medium, medium_bytes))
