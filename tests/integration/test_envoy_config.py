@@ -131,7 +131,7 @@ def test_ext_proc_settings_match_the_design() -> None:
         "request_header_mode": "SEND",
         "request_body_mode": "BUFFERED",
         "request_trailer_mode": "SKIP",
-        "response_header_mode": "SEND",
+        "response_header_mode": "SKIP",
         "response_body_mode": "NONE",
         "response_trailer_mode": "SEND",
     }
