@@ -20,13 +20,18 @@ Per prompt size and workload it prints and writes to bench-results/overhead.json
 4. saturation with 32k-token prompts mixed in (one request in 20, closed loop): Envoy's message
    timeouts (504) must stay at 0; busy refusals (503 with retry-after) are counted apart.
 
-    .venv/bin/python bench/bench_overhead.py [--quick]
+kvguard runs with jemalloc preloaded, as the image runs it, when the library is installed
+(Debian: libjemalloc2); `--allocator system` measures glibc's malloc instead.
+
+    .venv/bin/python bench/bench_overhead.py [--quick] [--allocator jemalloc|system]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes.util
+import itertools
 import json
 import os
 import socket
@@ -57,6 +62,7 @@ from kvguard.tokenizer import PoolTokenizer  # noqa: E402
 TOKENIZER = ROOT / ".cache" / "models" / "qwen"
 WORDS = (ROOT / "README.md").read_text().split()
 TICKS = os.sysconf("SC_CLK_TCK")
+JEMALLOC = ctypes.util.find_library("jemalloc")
 CONCURRENCY = 16
 LOAD_SHARE = 0.6  # the fraction of measured capacity at which latency is measured
 NONCE = "00000000"  # replaced by the request number: 8 digits, 8 tokens, whatever the number
@@ -119,22 +125,24 @@ def count_body(tokenizer: PoolTokenizer, chat: dict[str, Any]) -> int:
 
 
 class Bodies:
-    """Request i's body: the calibrated body with request number i in place of NONCE."""
+    """Request i's body: the calibrated body with a number in place of NONCE, unique across the
+    whole run (each load process gets its own range), so `unique` text is never seen twice."""
 
-    def __init__(self, chat: dict[str, Any]) -> None:
+    def __init__(self, chat: dict[str, Any], first: int = 0) -> None:
         prefix, suffix = json.dumps(chat).split(NONCE)
-        self._prefix, self._suffix = prefix.encode(), suffix.encode()
+        self._prefix, self._suffix, self._first = prefix.encode(), suffix.encode(), first
 
     def __call__(self, i: int) -> bytes:
-        return b"%s%08d%s" % (self._prefix, i % 10**8, self._suffix)
+        return b"%s%08d%s" % (self._prefix, (self._first + i) % 10**8, self._suffix)
 
-    def spec(self) -> list[str]:
-        return [self._prefix.decode(), self._suffix.decode()]
+    def spec(self, first: int) -> list[Any]:
+        return [self._prefix.decode(), self._suffix.decode(), first]
 
     @classmethod
-    def from_spec(cls, spec: list[str]) -> Bodies:
+    def from_spec(cls, spec: list[Any]) -> Bodies:
         bodies = cls.__new__(cls)
         bodies._prefix, bodies._suffix = spec[0].encode(), spec[1].encode()
+        bodies._first = spec[2]
         return bodies
 
 
@@ -219,10 +227,13 @@ async def closed_loop(
     return result
 
 
+_FIRST_NUMBERS = itertools.count(0, 10**6)  # a load process sends fewer requests than this
+
+
 def in_subprocess(call: str, *args: Any) -> dict[str, Any]:
     """Run open_loop/closed_loop in its own process, so the client's CPU is not kvguard's or
     Envoy's. Bodies travel as specs."""
-    spec = json.dumps([a.spec() if isinstance(a, Bodies) else a for a in args])
+    spec = json.dumps([a.spec(next(_FIRST_NUMBERS)) if isinstance(a, Bodies) else a for a in args])
     code = (
         f"import json, sys, uvloop; sys.path.insert(0, {str(ROOT)!r}); "
         "from bench.bench_overhead import Bodies, open_loop, closed_loop; "
@@ -371,15 +382,21 @@ async def run(
     return results
 
 
-async def main(quick: bool) -> None:
+async def main(quick: bool, allocator: str) -> None:
     upstream = RecordingUpstream()
     await upstream.start()
     work = Path(tempfile.mkdtemp(prefix="kvguard-bench-"))
     port = free_port()
     (work / "kvguard.yaml").write_text(yaml.safe_dump(kvguard_config(port)))
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    if allocator == "jemalloc":  # as the image runs it (Dockerfile)
+        if JEMALLOC is None:
+            raise SystemExit("libjemalloc is not installed: use --allocator system")
+        env["LD_PRELOAD"] = JEMALLOC
     kvguard = subprocess.Popen(
         [sys.executable, "-m", "kvguard", "serve", "--config", str(work / "kvguard.yaml")],
         stderr=(work / "kvguard.log").open("wb"),
+        env=env,
     )
     guarded_config = loopback_config(port, upstream.port)
     bare_config = without_http_filter(guarded_config, EXT_PROC_FILTER)
@@ -391,7 +408,9 @@ async def main(quick: bool) -> None:
             EnvoyProcess(guarded_config, work / "guarded") as guarded,
         ):
             await guarded.wait_cluster_healthy("kvguard", timeout=60)
+            print(f"kvguard runs on {allocator} malloc", flush=True)
             results = await run(quick, bare.url, guarded.url, kvguard.pid, upstream)
+            results["allocator"] = allocator
     finally:
         kvguard.terminate()
         kvguard.wait(30)
@@ -405,4 +424,11 @@ async def main(quick: bool) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
-    uvloop.run(main(parser.parse_args().quick))
+    parser.add_argument(
+        "--allocator",
+        choices=["jemalloc", "system"],
+        default="jemalloc" if JEMALLOC else "system",
+        help="kvguard's malloc: jemalloc (preloaded, as in the image) or glibc's",
+    )
+    args = parser.parse_args()
+    uvloop.run(main(args.quick, args.allocator))
