@@ -7,7 +7,7 @@ MODELS := .cache/models/qwen/tokenizer.json .cache/models/llama3.2/tokenizer.jso
 PROTO := kvguard/v1/admin_pb2.py
 KUBECTL := .cache/tools/kubectl
 
-.PHONY: demo test test-main test-fast test-live lint lock clean
+.PHONY: demo test test-main test-fast test-live lint bench lock clean
 
 # The main job: Envoy + kvguard (memory ledger) + a local OpenAI-style upstream, one burst.
 demo: $(STAMP) $(PROTO) $(MODELS)
@@ -32,6 +32,11 @@ test-live: $(STAMP) $(PROTO) $(MODELS)
 test-fast: $(STAMP) $(PROTO) $(MODELS) $(KUBECTL)
 	bash tools/ensure_redis.sh
 	$(BIN)/pytest -m "not integration and not live"
+
+# What kvguard adds to a request through the real Envoy: figures, not a test (about 5 min;
+# bench-results/overhead.json). README "What it costs" shows a run.
+bench: $(STAMP) $(PROTO) $(MODELS)
+	$(BIN)/python bench/bench_overhead.py
 
 lint: $(STAMP) $(PROTO)
 	$(BIN)/ruff check kvguard tests tools bench

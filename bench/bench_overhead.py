@@ -21,7 +21,9 @@ Per prompt size and workload it prints and writes to bench-results/overhead.json
    timeouts (504) must stay at 0; busy refusals (503 with retry-after) are counted apart.
 
 kvguard runs with jemalloc preloaded, as the image runs it, when the library is installed
-(Debian: libjemalloc2); `--allocator system` measures glibc's malloc instead.
+(Debian: libjemalloc2); `--allocator system` measures glibc's malloc instead. Every process
+may run on every CPU; `--own-cpu` gives kvguard one CPU of its own (a sidecar with a CPU
+request of 1) and Envoy, the upstream and the load the others.
 
     .venv/bin/python bench/bench_overhead.py [--quick] [--allocator jemalloc|system]
 """
@@ -382,7 +384,20 @@ async def run(
     return results
 
 
-async def main(quick: bool, allocator: str) -> None:
+def _cpus(own: bool) -> tuple[set[int] | None, set[int] | None]:
+    """(kvguard's CPUs, everyone else's), or (None, None): every process runs anywhere. With
+    `own`, kvguard gets one CPU, as a sidecar with a CPU of its own would, and Envoy, the
+    upstream and the load share the rest."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not own or len(cpus) < 2:
+        return None, None
+    return {cpus[-1]}, set(cpus[:-1])
+
+
+async def main(quick: bool, allocator: str, own_cpu: bool) -> None:
+    kvguard_cpus, other_cpus = _cpus(own_cpu)
+    if other_cpus is not None:
+        os.sched_setaffinity(0, other_cpus)  # Envoy and the load processes inherit it
     upstream = RecordingUpstream()
     await upstream.start()
     work = Path(tempfile.mkdtemp(prefix="kvguard-bench-"))
@@ -397,6 +412,7 @@ async def main(quick: bool, allocator: str) -> None:
         [sys.executable, "-m", "kvguard", "serve", "--config", str(work / "kvguard.yaml")],
         stderr=(work / "kvguard.log").open("wb"),
         env=env,
+        preexec_fn=None if kvguard_cpus is None else lambda: os.sched_setaffinity(0, kvguard_cpus),
     )
     guarded_config = loopback_config(port, upstream.port)
     bare_config = without_http_filter(guarded_config, EXT_PROC_FILTER)
@@ -408,9 +424,14 @@ async def main(quick: bool, allocator: str) -> None:
             EnvoyProcess(guarded_config, work / "guarded") as guarded,
         ):
             await guarded.wait_cluster_healthy("kvguard", timeout=60)
-            print(f"kvguard runs on {allocator} malloc", flush=True)
+            print(
+                f"kvguard runs on {allocator} malloc, on CPUs {kvguard_cpus or 'shared'}; "
+                f"Envoy, upstream and load on {other_cpus or 'all CPUs'}",
+                flush=True,
+            )
             results = await run(quick, bare.url, guarded.url, kvguard.pid, upstream)
             results["allocator"] = allocator
+            results["kvguard_cpus"] = sorted(kvguard_cpus) if kvguard_cpus else "shared"
     finally:
         kvguard.terminate()
         kvguard.wait(30)
@@ -430,5 +451,10 @@ if __name__ == "__main__":
         default="jemalloc" if JEMALLOC else "system",
         help="kvguard's malloc: jemalloc (preloaded, as in the image) or glibc's",
     )
+    parser.add_argument(
+        "--own-cpu",
+        action="store_true",
+        help="give kvguard one CPU of its own; Envoy, upstream and load get the others",
+    )
     args = parser.parse_args()
-    uvloop.run(main(args.quick, args.allocator))
+    uvloop.run(main(args.quick, args.allocator, args.own_cpu))
