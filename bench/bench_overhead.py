@@ -21,9 +21,10 @@ Per prompt size and workload it prints and writes to bench-results/overhead.json
    timeouts (504) must stay at 0; busy refusals (503 with retry-after) are counted apart.
 
 kvguard runs with jemalloc preloaded, as the image runs it, when the library is installed
-(Debian: libjemalloc2); `--allocator system` measures glibc's malloc instead. Every process
-may run on every CPU; `--own-cpu` gives kvguard one CPU of its own (a sidecar with a CPU
-request of 1) and Envoy, the upstream and the load the others.
+(Debian: libjemalloc2); `--allocator system` measures glibc's malloc instead. kvguard gets
+one CPU of its own (a sidecar with a CPU request of 1) and Envoy, the upstream and the load the
+others, so that the load's own CPU does not queue kvguard's work; `--share-cpus` lets every
+process run on every CPU.
 
     .venv/bin/python bench/bench_overhead.py [--quick] [--allocator jemalloc|system]
 """
@@ -384,18 +385,18 @@ async def run(
     return results
 
 
-def _cpus(own: bool) -> tuple[set[int] | None, set[int] | None]:
-    """(kvguard's CPUs, everyone else's), or (None, None): every process runs anywhere. With
-    `own`, kvguard gets one CPU, as a sidecar with a CPU of its own would, and Envoy, the
-    upstream and the load share the rest."""
+def _cpus(share: bool) -> tuple[set[int] | None, set[int] | None]:
+    """(kvguard's CPUs, everyone else's): kvguard gets one CPU, as a sidecar with a CPU of
+    its own would, and Envoy, the upstream and the load share the rest; (None, None) with
+    `share` or a single CPU: every process runs anywhere."""
     cpus = sorted(os.sched_getaffinity(0))
-    if not own or len(cpus) < 2:
+    if share or len(cpus) < 2:
         return None, None
     return {cpus[-1]}, set(cpus[:-1])
 
 
-async def main(quick: bool, allocator: str, own_cpu: bool) -> None:
-    kvguard_cpus, other_cpus = _cpus(own_cpu)
+async def main(quick: bool, allocator: str, share_cpus: bool) -> None:
+    kvguard_cpus, other_cpus = _cpus(share_cpus)
     if other_cpus is not None:
         os.sched_setaffinity(0, other_cpus)  # Envoy and the load processes inherit it
     upstream = RecordingUpstream()
@@ -452,9 +453,9 @@ if __name__ == "__main__":
         help="kvguard's malloc: jemalloc (preloaded, as in the image) or glibc's",
     )
     parser.add_argument(
-        "--own-cpu",
+        "--share-cpus",
         action="store_true",
-        help="give kvguard one CPU of its own; Envoy, upstream and load get the others",
+        help="let kvguard share every CPU with Envoy and the load (default: one CPU of its own)",
     )
     args = parser.parse_args()
-    uvloop.run(main(args.quick, args.allocator, args.own_cpu))
+    uvloop.run(main(args.quick, args.allocator, args.share_cpus))

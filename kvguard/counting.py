@@ -13,8 +13,8 @@ from kvguard.request import InferenceRequest, add_special_tokens, prompts_of
 from kvguard.tokenizer import PoolTokenizer, TokenizerError
 
 # Where a count runs, by body size (bench/bench_tokens.py has the measurements, Qwen, 2 CPUs).
-# Counting new text costs ~0.4 µs per body byte: bodies up to 4 KiB stall the event loop at
-# most ~1.5 ms; for them a thread hop (~20 µs) saves little and may queue behind longer counts.
+# Counting new text costs ~0.15-0.2 µs per body byte: bodies up to 4 KiB stall the event loop
+# at most ~0.8 ms; for them a thread hop (~20 µs) saves little and may queue behind longer counts.
 # Larger ones go to threads (tokenizing releases the GIL, so they run in parallel).
 # Bodies above LONG_BODY_BYTES (~15k tokens, ~25 ms and up) may take all threads but one, so
 # that shorter counts never wait behind a 32k-token prompt (measured: 1k-token decisions
