@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
+from kvguard import logs
+
 log = logging.getLogger(__name__)
 
 # More crashes than this within the window: something is wrong with every worker, stop.
@@ -29,7 +31,8 @@ def supervise(workers: int, run_worker: Callable[[int], int]) -> int:
     failed = False
 
     def spawn(index: int) -> None:
-        pid = os.fork()
+        with logs.writer_stopped():
+            pid = os.fork()
         if pid == 0:  # the worker: never returns into the supervisor's code
             # Until the worker's own handlers drain it, a stop finds nothing to drain: exit 0.
             signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
@@ -38,6 +41,7 @@ def supervise(workers: int, run_worker: Callable[[int], int]) -> int:
             try:
                 code = run_worker(index)
             finally:
+                logs.stop()  # os._exit runs no atexit hook: write what is queued first
                 os._exit(code)
         children[pid] = index
 

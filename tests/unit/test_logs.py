@@ -1,0 +1,52 @@
+"""Logging never blocks its caller, even when stderr does (kvguard.logs)."""
+
+from __future__ import annotations
+
+import json
+import select
+import subprocess
+import sys
+
+from kvguard.logs import MAX_QUEUED_RECORDS
+
+CHILD = """
+import logging, sys, time
+from kvguard import logs
+logs.configure("info")
+log = logging.getLogger("test")
+for i in range(int(sys.argv[1])):
+    log.info("line %d %s", i, "x" * 150)
+print("logged", flush=True)
+sys.stdin.readline()  # the parent reads stderr from now on
+deadline = time.monotonic() + 30
+while not logs._handoff.queue.empty() and time.monotonic() < deadline:
+    time.sleep(0.01)
+log.info("last")
+"""
+
+
+def test_a_blocked_stderr_neither_blocks_the_caller_nor_loses_count() -> None:
+    sent = MAX_QUEUED_RECORDS + 2_000  # more than the queue and the pipe (64 KiB) hold
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(sent)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # Nobody reads its stderr yet: a logger that wrote on the caller's thread would stop
+        # once the pipe is full, and never print "logged".
+        ready, _, _ = select.select([child.stdout], [], [], 60)
+        assert ready, "logging blocked while stderr was full"
+        assert child.stdout is not None and child.stdout.readline() == "logged\n"
+        _, err = child.communicate("go\n", timeout=60)
+    finally:
+        child.kill()
+    records = [json.loads(line) for line in err.splitlines()]
+    written = [r for r in records if r["message"].startswith("line ")]
+    (dropped,) = [r for r in records if "log records dropped" in r["message"]]
+    lost = int(dropped["message"].split()[0])
+    assert lost > 0 and len(written) + lost == sent
+    assert [int(r["message"].split()[1]) for r in written] == list(range(len(written)))
+    assert records[-1]["message"] == "last"
