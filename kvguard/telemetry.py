@@ -36,8 +36,8 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 class Telemetry:
     def __init__(self, metrics: Metrics, tracer_provider: trace.TracerProvider | None = None):
         self.metrics = metrics
-        # Without a tracer provider no span is made at all (not even a no-op one): the trace
-        # context extraction and the span's attributes cost ~20 µs a decision.
+        # Without a tracer provider no span is made at all (not even a no-op one): extracting
+        # the trace context and a no-op span cost ~3 µs a decision.
         self._tracer = (
             tracer_provider.get_tracer("kvguard", __version__) if tracer_provider else None
         )

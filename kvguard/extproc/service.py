@@ -143,7 +143,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
         """The decision, its lease held; Envoy is asked for more time if it runs long.
 
         A timer, not a second task: most decisions end long before it fires (a task and
-        asyncio.wait per decision cost ~20 µs of CPU)."""
+        asyncio.wait per decision cost ~5 µs of CPU more, measured alone)."""
         loop = asyncio.get_running_loop()
         extension: asyncio.Task[None] | None = None
 
