@@ -198,7 +198,7 @@ class Service:
 
 def allocator() -> str:
     """'jemalloc' when it was preloaded (the image does: counting tokens allocates a lot, and
-    glibc's malloc made it ~40 % slower), else 'system'."""
+    counting took 35-50 % more CPU under glibc's malloc), else 'system'."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
