@@ -149,9 +149,13 @@ class VllmProcess:
             stderr=subprocess.STDOUT,
             env=self._env,
             cwd=self._workdir,
-            start_new_session=True,  # its own process group: stop() ends the engine core too
-            # On these shared cores the engine's busy-waiting threads would starve Envoy and
-            # kvguard (in production vLLM has GPUs and nodes of its own): it yields to them.
+            # Its own process group (stop() ends the engine core too), but not its own session:
+            # with sched_autogroup a new session is a scheduling group of its own, which gets
+            # an equal share of the CPUs whatever its nice value, and the engine's busy-waiting
+            # threads then starved Envoy and kvguard for seconds (Envoy answered 504).
+            process_group=0,
+            # On these shared cores it yields to them (in production vLLM has GPUs and nodes
+            # of its own).
             preexec_fn=_lower_priority,
         )
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
