@@ -128,8 +128,8 @@ class _Sandbox(ImmutableSandboxedEnvironment):
 
     The verdict depends on nothing else (`is_internal_attribute` and `modifies_known_mutable`
     test the object's type and the name), and one render asks it for every attribute access:
-    a quarter to a third of rendering a chat (10-32 µs measured). Only attributes that exist are asked about, so
-    the table stays as small as the types and names templates use.
+    a quarter to a third of rendering a chat (10-32 µs measured). Only attributes that exist
+    are asked about, so the table stays as small as the types and names templates use.
     """
 
     def __init__(self, **options: Any) -> None:
