@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 from pathlib import Path
@@ -211,4 +212,9 @@ async def serve(config: Config, config_path: Path) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await Service(config, config_path=config_path).run(stop)
+    service = Service(config, config_path=config_path)
+    # What is loaded by now (modules, tokenizers, templates: ~80k objects) lives as long as the
+    # process. Out of the collector's sight, a full collection takes ~0 ms instead of ~40 ms
+    # that every request in flight would wait for.
+    gc.freeze()
+    await service.run(stop)
