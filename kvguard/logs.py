@@ -17,6 +17,7 @@ import logging.handlers
 import os
 import queue
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -30,7 +31,13 @@ class _Handoff(logging.handlers.QueueHandler):
     """Puts each record on the writer thread's queue without waiting; counts what does not fit."""
 
     def __init__(self) -> None:
-        super().__init__(queue.Queue(MAX_QUEUED_RECORDS))
+        self.records: queue.Queue[logging.LogRecord | None] = queue.Queue(MAX_QUEUED_RECORDS)
+        super().__init__(self.records)
+        self.dropped = 0
+
+    def renew(self) -> None:
+        """A fresh, empty queue (in a forked child: the parent's may be locked)."""
+        self.queue = self.records = queue.Queue(MAX_QUEUED_RECORDS)
         self.dropped = 0
 
     def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
@@ -62,25 +69,49 @@ class _Handoff(logging.handlers.QueueHandler):
             self.dropped += 1
 
 
+class _Writer:
+    """The thread that writes queued records with `handler`, until it dequeues None."""
+
+    def __init__(self, records: queue.Queue[logging.LogRecord | None], handler: logging.Handler):
+        self._records = records
+        self._handler = handler
+        # A daemon: a writer stuck on a blocked stderr never keeps the process from exiting.
+        self._thread = threading.Thread(target=self._run, name="kvguard-log-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (record := self._records.get()) is not None:
+            self._handler.handle(record)
+
+    def stop(self, timeout_s: float) -> None:
+        """Write what is queued, waiting at most about 2 x `timeout_s` for a blocked stderr."""
+        try:
+            self._records.put(None, timeout=timeout_s)
+        except queue.Full:
+            return
+        self._thread.join(timeout_s)
+
+
+STOP_TIMEOUT_S = 5.0
 _handoff: _Handoff | None = None
-_writer: logging.Handler | None = None
-_listener: logging.handlers.QueueListener | None = None
+_handler: logging.Handler | None = None
+_writer: _Writer | None = None
 
 
 def configure(level: str = "info", *, json: bool = True) -> None:
-    global _handoff, _writer
-    writer = logging.StreamHandler(sys.stderr)
+    global _handoff, _handler
+    handler = logging.StreamHandler(sys.stderr)
     if json:
-        writer.setFormatter(
+        handler.setFormatter(
             JsonFormatter(
                 "%(asctime)s %(levelname)s %(name)s %(message)s",
                 rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
             )
         )
     else:
-        writer.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
     stop()
-    _handoff, _writer = _Handoff(), writer
+    _handoff, _handler = _Handoff(), handler
     start()
     root = logging.getLogger()
     root.handlers[:] = [_handoff]
@@ -89,18 +120,18 @@ def configure(level: str = "info", *, json: bool = True) -> None:
 
 def start() -> None:
     """Start the writer thread (configure does)."""
-    global _listener
-    if _handoff is not None and _writer is not None and _listener is None:
-        _listener = logging.handlers.QueueListener(_handoff.queue, _writer)
-        _listener.start()
+    global _writer
+    if _handoff is not None and _handler is not None and _writer is None:
+        _writer = _Writer(_handoff.records, _handler)
 
 
 def stop() -> None:
-    """Write what is queued and stop the writer thread (at exit; before os._exit)."""
-    global _listener
-    if _listener is not None:
-        _listener.stop()
-        _listener = None
+    """Write what is queued and stop the writer thread (at exit; before os._exit). Never
+    raises; gives up after ~2 x STOP_TIMEOUT_S when stderr stays blocked."""
+    global _writer
+    if _writer is not None:
+        writer, _writer = _writer, None
+        writer.stop(STOP_TIMEOUT_S)
 
 
 @contextmanager
@@ -116,11 +147,10 @@ def writer_stopped() -> Iterator[None]:
 
 def _after_fork_in_child() -> None:
     # A forked worker gets a queue and a writer thread of its own.
-    global _listener
+    global _writer
     if _handoff is not None:
-        _handoff.queue = queue.Queue(MAX_QUEUED_RECORDS)
-        _handoff.dropped = 0
-        _listener = None
+        _handoff.renew()
+        _writer = None
         start()
 
 

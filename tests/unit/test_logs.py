@@ -19,7 +19,7 @@ for i in range(int(sys.argv[1])):
 print("logged", flush=True)
 sys.stdin.readline()  # the parent reads stderr from now on
 deadline = time.monotonic() + 30
-while not logs._handoff.queue.empty() and time.monotonic() < deadline:
+while not logs._handoff.records.empty() and time.monotonic() < deadline:
     time.sleep(0.01)
 log.info("last")
 """
@@ -50,3 +50,32 @@ def test_a_blocked_stderr_neither_blocks_the_caller_nor_loses_count() -> None:
     assert lost > 0 and len(written) + lost == sent
     assert [int(r["message"].split()[1]) for r in written] == list(range(len(written)))
     assert records[-1]["message"] == "last"
+
+
+STUCK = """
+import logging, sys
+from kvguard import logs
+logs.configure("info")
+logs.STOP_TIMEOUT_S = 0.2
+for i in range(logs.MAX_QUEUED_RECORDS + 2_000):
+    logging.getLogger("test").info("line %d %s", i, "x" * 150)
+logs.stop()  # stderr stays blocked: gives up instead of hanging, and does not raise
+print("stopped", flush=True)
+"""
+
+
+def test_stopping_gives_up_on_a_stderr_that_stays_blocked() -> None:
+    child = subprocess.Popen(
+        [sys.executable, "-c", STUCK],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        ready, _, _ = select.select([child.stdout], [], [], 60)
+        assert ready, "stop() hung on a blocked stderr"
+        assert child.stdout is not None and child.stdout.readline() == "stopped\n"
+        child.communicate(timeout=60)  # reading stderr lets it exit
+        assert child.returncode == 0
+    finally:
+        child.kill()
