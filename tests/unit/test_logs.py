@@ -25,21 +25,31 @@ log.info("last")
 """
 
 
-def test_a_blocked_stderr_neither_blocks_the_caller_nor_loses_count() -> None:
-    sent = MAX_QUEUED_RECORDS + 2_000  # more than the queue and the pipe (64 KiB) hold
-    child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(sent)],
+def _child(code: str, *args: str) -> subprocess.Popen[str]:
+    """A Python child running `code`, every stream a pipe; nobody reads its stderr yet."""
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def _says(child: subprocess.Popen[str], line: str, failure: str) -> None:
+    """Wait (60 s at most) for `line` on the child's stdout."""
+    ready, _, _ = select.select([child.stdout], [], [], 60)
+    assert ready, failure
+    assert child.stdout is not None and child.stdout.readline() == line + "\n"
+
+
+def test_a_blocked_stderr_neither_blocks_the_caller_nor_loses_count() -> None:
+    sent = MAX_QUEUED_RECORDS + 2_000  # more than the queue and the pipe (64 KiB) hold
+    child = _child(CHILD, str(sent))
     try:
-        # Nobody reads its stderr yet: a logger that wrote on the caller's thread would stop
-        # once the pipe is full, and never print "logged".
-        ready, _, _ = select.select([child.stdout], [], [], 60)
-        assert ready, "logging blocked while stderr was full"
-        assert child.stdout is not None and child.stdout.readline() == "logged\n"
+        # A logger that wrote on the caller's thread would stop once the pipe is full, and
+        # never print "logged".
+        _says(child, "logged", "logging blocked while stderr was full")
         _, err = child.communicate("go\n", timeout=60)
     finally:
         child.kill()
@@ -65,16 +75,9 @@ print("stopped", flush=True)
 
 
 def test_stopping_gives_up_on_a_stderr_that_stays_blocked() -> None:
-    child = subprocess.Popen(
-        [sys.executable, "-c", STUCK],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    child = _child(STUCK)
     try:
-        ready, _, _ = select.select([child.stdout], [], [], 60)
-        assert ready, "stop() hung on a blocked stderr"
-        assert child.stdout is not None and child.stdout.readline() == "stopped\n"
+        _says(child, "stopped", "stop() hung on a blocked stderr")
         child.communicate(timeout=60)  # reading stderr lets it exit
         assert child.returncode == 0
     finally:
