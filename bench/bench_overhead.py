@@ -24,9 +24,11 @@ kvguard runs with jemalloc preloaded, as the image runs it, when the library is 
 (Debian: libjemalloc2); `--allocator system` measures glibc's malloc instead. kvguard gets
 one CPU of its own (a sidecar with a CPU request of 1) and Envoy, the upstream and the load the
 others, so that the load's own CPU does not queue kvguard's work; `--share-cpus` lets every
-process run on every CPU.
+process run on every CPU. `--processor noop` puts bench/noop_extproc.py (every message answered
+CONTINUE at once) in kvguard's place: the floor grpc.aio sets under kvguard's figures.
 
     .venv/bin/python bench/bench_overhead.py [--quick] [--allocator jemalloc|system]
+        [--share-cpus] [--processor kvguard|noop]
 """
 
 from __future__ import annotations
@@ -395,7 +397,7 @@ def _cpus(share: bool) -> tuple[set[int] | None, set[int] | None]:
     return {cpus[-1]}, set(cpus[:-1])
 
 
-async def main(quick: bool, allocator: str, share_cpus: bool) -> None:
+async def main(quick: bool, allocator: str, share_cpus: bool, processor: str) -> None:
     kvguard_cpus, other_cpus = _cpus(share_cpus)
     if other_cpus is not None:
         os.sched_setaffinity(0, other_cpus)  # Envoy and the load processes inherit it
@@ -409,8 +411,11 @@ async def main(quick: bool, allocator: str, share_cpus: bool) -> None:
         if JEMALLOC is None:
             raise SystemExit("libjemalloc is not installed: use --allocator system")
         env["LD_PRELOAD"] = JEMALLOC
+    command = [sys.executable, "-m", "kvguard", "serve", "--config", str(work / "kvguard.yaml")]
+    if processor == "noop":
+        command = [sys.executable, str(ROOT / "bench" / "noop_extproc.py"), str(port)]
     kvguard = subprocess.Popen(
-        [sys.executable, "-m", "kvguard", "serve", "--config", str(work / "kvguard.yaml")],
+        command,
         stderr=(work / "kvguard.log").open("wb"),
         env=env,
         preexec_fn=None if kvguard_cpus is None else lambda: os.sched_setaffinity(0, kvguard_cpus),
@@ -426,12 +431,13 @@ async def main(quick: bool, allocator: str, share_cpus: bool) -> None:
         ):
             await guarded.wait_cluster_healthy("kvguard", timeout=60)
             print(
-                f"kvguard runs on {allocator} malloc, on CPUs {kvguard_cpus or 'shared'}; "
+                f"{processor} runs on {allocator} malloc, on CPUs {kvguard_cpus or 'shared'}; "
                 f"Envoy, upstream and load on {other_cpus or 'all CPUs'}",
                 flush=True,
             )
             results = await run(quick, bare.url, guarded.url, kvguard.pid, upstream)
             results["allocator"] = allocator
+            results["processor"] = processor
             results["kvguard_cpus"] = sorted(kvguard_cpus) if kvguard_cpus else "shared"
     finally:
         kvguard.terminate()
@@ -457,5 +463,11 @@ if __name__ == "__main__":
         action="store_true",
         help="let kvguard share every CPU with Envoy and the load (default: one CPU of its own)",
     )
+    parser.add_argument(
+        "--processor",
+        choices=["kvguard", "noop"],
+        default="kvguard",
+        help="noop: bench/noop_extproc.py in kvguard's place, what grpc.aio alone costs",
+    )
     args = parser.parse_args()
-    uvloop.run(main(args.quick, args.allocator, args.share_cpus))
+    uvloop.run(main(args.quick, args.allocator, args.share_cpus, args.processor))

@@ -72,6 +72,8 @@ class Telemetry:
             duration_s=duration_s,
             prompt_tokens=decision.prompt_tokens,
         )
+        if not log.isEnabledFor(logging.INFO):
+            return
         fields: dict[str, Any] = decision.attributes()
         if duration_s is not None:
             fields["duration_ms"] = round(duration_s * 1000, 3)

@@ -277,7 +277,7 @@ class RedisCluster:
     def flushall(self) -> None:
         """Empty every master (tests share one cluster)."""
         for node in self.nodes:
-            node.cli("flushall")
+            node.flushall()
 
     def stop(self) -> None:
         for node in self.nodes:

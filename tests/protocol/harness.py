@@ -28,10 +28,14 @@ async def running(
     providers: Providers | None = None,
     watch: bool = False,
     reload_interval_s: float = 0.05,
+    pool: dict[str, Any] | None = None,
     **overrides: Any,
 ) -> AsyncIterator[tuple[Service, Any]]:
-    """A started Service on a free port and an ext_proc stub; `watch` enables hot reload."""
-    path = write_config(tmp_path, kvguard_config(**overrides))
+    """A started Service on a free port and an ext_proc stub; `watch` enables hot reload;
+    `pool` holds extra keys for the one pool."""
+    data = kvguard_config(**overrides)
+    data["pools"][0].update(pool or {})
+    path = write_config(tmp_path, data)
     service = Service(
         configs.load(path, environ={}),
         config_path=path if watch else None,

@@ -7,23 +7,25 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from kvguard import config as configs
 from kvguard.counting import LONG_BODY_BYTES, PromptCounter
 from kvguard.extproc.service import EXTENDED_MESSAGE_TIMEOUT_S
 from kvguard.server import Service
 from kvguard.tokenizer import PoolTokenizer
-from tests.conftest import kvguard_config, write_config
-from tests.protocol.harness import body, headers, refusal, reserved, set_headers, wait_until
+from tests.protocol.harness import (
+    body,
+    headers,
+    refusal,
+    reserved,
+    running,
+    set_headers,
+    wait_until,
+)
 
 # A template that fails for one content, to see a render error become a 400.
 TEMPLATE = (
@@ -37,21 +39,9 @@ BIG_TIERS = {
 }
 
 
-@asynccontextmanager
-async def serving(
-    tmp_path: Path, pool: dict[str, Any] | None = None, **overrides: Any
-) -> AsyncIterator[tuple[Service, Any]]:
-    """A started Service whose one pool has the extra keys in `pool`, and an ext_proc stub."""
-    data = kvguard_config(**overrides)
-    data["pools"][0].update(pool or {})
-    service = Service(configs.load(write_config(tmp_path, data), environ={}))
-    await service.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{service.grpc.port}")
-    try:
-        yield service, pb_grpc.ExternalProcessorStub(channel)
-    finally:
-        await channel.close()
-        await service.stop(0)
+def serving_big(tmp_path: Path) -> Any:
+    """The Service with room for 32k-token prompts (context length, blocks, tier caps)."""
+    return running(tmp_path, max_model_len=40_000, blocks=100_000, tiers=BIG_TIERS)
 
 
 async def open_call(stub: Any, path: str, payload: Any) -> Any:
@@ -124,10 +114,7 @@ def watch(service: Service, monkeypatch: pytest.MonkeyPatch, *, gated: bool) -> 
 async def test_large_prompt_in_flight_does_not_hold_back_a_small_decision(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async with serving(tmp_path, max_model_len=40_000, blocks=100_000, tiers=BIG_TIERS) as (
-        service,
-        stub,
-    ):
+    async with serving_big(tmp_path) as (service, stub):
         spy = watch(service, monkeypatch, gated=False)
         big = await open_call(stub, "/v1/chat/completions", big_chat(32_000))
         await spy.wait_started()  # the 32k-token count is now running on a worker thread
@@ -162,10 +149,7 @@ async def _released(service: Service) -> bool:
 async def test_a_slow_decision_asks_envoy_for_more_time(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async with serving(tmp_path, max_model_len=40_000, blocks=100_000, tiers=BIG_TIERS) as (
-        service,
-        stub,
-    ):
+    async with serving_big(tmp_path) as (service, stub):
         spy = watch(service, monkeypatch, gated=True)
         call = await open_call(stub, "/v1/chat/completions", big_chat(8_000))
         await spy.wait_started()
@@ -187,10 +171,7 @@ async def test_a_slow_decision_asks_envoy_for_more_time(
 async def test_a_stream_gone_while_counting_reserves_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async with serving(tmp_path, max_model_len=40_000, blocks=100_000, tiers=BIG_TIERS) as (
-        service,
-        stub,
-    ):
+    async with serving_big(tmp_path) as (service, stub):
         spy = watch(service, monkeypatch, gated=True)
         call = await open_call(stub, "/v1/chat/completions", big_chat(8_000))
         await spy.wait_started()
@@ -216,10 +197,7 @@ async def test_a_flood_of_large_prompts_is_bounded(
     payload = big_chat(16_000)  # a long count (above LONG_BODY_BYTES): two at a time
     size = len(json.dumps(payload).encode())
     assert size > LONG_BODY_BYTES
-    async with serving(tmp_path, max_model_len=40_000, blocks=100_000, tiers=BIG_TIERS) as (
-        service,
-        stub,
-    ):
+    async with serving_big(tmp_path) as (service, stub):
         service.admission.counter.close()
         service.admission.counter = PromptCounter(workers=2, pending_bytes=3 * size)
         spy = watch(service, monkeypatch, gated=True)
@@ -283,7 +261,7 @@ async def test_what_vllm_would_refuse_is_a_clear_400(
 ) -> None:
     (tmp_path / "strict.jinja").write_text(TEMPLATE, encoding="utf-8")
     pool = {"chat_template": "strict.jinja", "media_tokens": {"image_url": 100}}
-    async with serving(tmp_path, pool) as (service, stub):
+    async with running(tmp_path, pool=pool) as (service, stub):
         answer, _ = await body_answer(await open_call(stub, path, payload))
         status, hdrs, error = refusal(answer)
         assert (status, hdrs["x-kvguard-reason"], error["error"]["param"]) == (
@@ -300,7 +278,7 @@ async def test_declared_media_costs_are_counted(tmp_path: Path) -> None:
     pool = {"chat_template": "strict.jinja", "media_tokens": {"image_url": 100}}
     image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
     content = [image, {"type": "text", "text": "What is this?"}, image]
-    async with serving(tmp_path, pool) as (service, stub):
+    async with running(tmp_path, pool=pool) as (service, stub):
         tokenizer = service.policy.pools["qwen"].tokenizer
         text_only = tokenizer.count(tokenizer.render_chat(chat("What is this?")), False)
         payload = {"model": "qwen", "messages": [{"role": "user", "content": content}]}
@@ -310,7 +288,7 @@ async def test_declared_media_costs_are_counted(tmp_path: Path) -> None:
 
 
 async def test_truncation_and_echo_reserve_what_vllm_will_hold(tmp_path: Path) -> None:
-    async with serving(tmp_path, max_model_len=64) as (_, stub):
+    async with running(tmp_path, max_model_len=64) as (_, stub):
         long = {"model": "qwen", "prompt": " ".join(["token"] * 500)}
         answer, _ = await body_answer(
             await open_call(stub, "/v1/completions", {**long, "truncate_prompt_tokens": 20})
