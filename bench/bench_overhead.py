@@ -39,7 +39,6 @@ import ctypes.util
 import itertools
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -55,6 +54,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from kvguard.testing import free_port  # noqa: E402
 from kvguard.testing.envoy import (  # noqa: E402
     EXT_PROC_FILTER,
     EnvoyProcess,
@@ -73,12 +73,6 @@ LOAD_SHARE = 0.6  # the fraction of measured capacity at which latency is measur
 NONCE = "00000000"  # replaced by the request number: 8 digits, 8 tokens, whatever the number
 HISTORY_SHARE = 0.9  # of a `history` prompt's tokens, the part earlier requests already sent
 MIX_EVERY = 20  # saturation mix: one request in this many carries a 32k-token prompt
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cpu_seconds(pid: int) -> float:

@@ -24,6 +24,8 @@ from typing import IO, Any, Self
 import aiohttp
 import yaml
 
+from kvguard.testing import LOOPBACK
+
 # Only in a source checkout: the file lives beside the package, not inside it.
 SHIPPED_CONFIG = Path(__file__).resolve().parents[2] / "envoy" / "envoy.yaml"
 
@@ -33,7 +35,6 @@ UPSTREAM_CLUSTER = "vllm"
 HTTP_CONNECTION_MANAGER = "envoy.filters.network.http_connection_manager"
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 
-LOOPBACK = "127.0.0.1"
 _POLL_S = 0.05
 
 

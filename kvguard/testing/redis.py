@@ -19,7 +19,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
 
-LOOPBACK = "127.0.0.1"
+from kvguard.testing import LOOPBACK
+
 _POLL_S = 0.02
 _START_DEADLINE_S = 10.0
 _CLUSTER_DEADLINE_S = 30.0

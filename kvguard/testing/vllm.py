@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
@@ -22,7 +21,8 @@ from typing import IO, Self
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-LOOPBACK = "127.0.0.1"
+from kvguard.testing import LOOPBACK, free_port
+
 SERVED_MODEL_NAME = "qwen"
 _POLL_S = 0.25
 
@@ -41,13 +41,6 @@ def _lower_priority() -> None:
 
 class VllmError(RuntimeError):
     """vLLM failed to start, exited, or did not become healthy in time."""
-
-
-def free_port() -> int:
-    """A loopback port free now (vLLM binds it itself, so a small race remains)."""
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        return int(sock.getsockname()[1])
 
 
 def server_command(

@@ -13,12 +13,13 @@ import aiohttp
 import pytest
 
 from kvguard.ledger.redis_ledger import RedisLedger
+from kvguard.testing import free_port
 from kvguard.testing.envoy import EnvoyProcess, loopback_config
 from kvguard.testing.redis import RedisServer
 from kvguard.testing.upstream import RecordingUpstream
 from tests.conftest import kvguard_config, write_config
 from tests.integration.conftest import gateway, wait_until
-from tests.integration.processes import free_port, kvguard_serve
+from tests.integration.processes import kvguard_serve
 
 pytestmark = pytest.mark.integration
 

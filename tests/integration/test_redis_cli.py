@@ -14,9 +14,9 @@ from kvguard import config as configs
 from kvguard.ledger import Claim, Outcome
 from kvguard.ledger.redis_ledger import RedisLedger
 from kvguard.server import Service
+from kvguard.testing import free_port
 from kvguard.testing.redis import RedisServer
 from tests.conftest import kvguard_config, write_config
-from tests.integration.processes import free_port
 from tests.protocol.harness import body, exchange, headers
 
 pytestmark = pytest.mark.integration

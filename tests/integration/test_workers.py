@@ -15,9 +15,10 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from kvguard.ledger.redis_ledger import RedisLedger
+from kvguard.testing import free_port
 from kvguard.testing.redis import RedisServer
 from tests.conftest import kvguard_config, write_config
-from tests.integration.processes import SERVING, free_port, health
+from tests.integration.processes import SERVING, health
 from tests.protocol.harness import body, exchange, headers
 
 pytestmark = pytest.mark.integration

@@ -26,12 +26,13 @@ from aiohttp import web
 
 from kvguard.capacity import PoolCapacity
 from kvguard.extproc.admin import read_usage
+from kvguard.testing import free_port
 from kvguard.testing.envoy import (
     EnvoyProcess,
     loopback_config,
 )
 from kvguard.testing.vllm import VllmProcess
-from tests.integration.processes import free_port, kvguard_serve
+from tests.integration.processes import kvguard_serve
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = ROOT / ".cache" / "models" / "qwen"

@@ -34,7 +34,7 @@ from kvguard.discovery import (
 from kvguard.health import Health
 from kvguard.policy import build
 from kvguard.server import Service
-from kvguard.testing.vllm import free_port
+from kvguard.testing import free_port
 from tests.conftest import kvguard_config, write_config
 from tests.protocol.harness import body, exchange, headers, refusal, wait_until
 
