@@ -12,13 +12,13 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from kvguard.testing import free_port
 from kvguard.testing.envoy import EnvoyProcess, loopback_config
 from kvguard.testing.upstream import RecordingUpstream
 from tests.conftest import kvguard_config, write_config
 from tests.integration.processes import (
     NOT_SERVING,
     SERVING,
-    free_port,
     health,
     kvguard_serve,
 )
