@@ -19,7 +19,7 @@ for i in range(int(sys.argv[1])):
 print("logged", flush=True)
 sys.stdin.readline()  # the parent reads stderr from now on
 deadline = time.monotonic() + 30
-while not logs._handoff.records.empty() and time.monotonic() < deadline:
+while logs._lines.lines and time.monotonic() < deadline:
     time.sleep(0.01)
 log.info("last")
 """
