@@ -18,7 +18,14 @@ Per prompt size and workload it prints and writes to bench-results/overhead.json
    p50/p99/p99.9 bare and guarded, and their difference;
 3. decision latency of 8k and 32k-token prompts alone (4 requests/s), against bare;
 4. saturation with 32k-token prompts mixed in (one request in 20, closed loop): Envoy's message
-   timeouts (504) must stay at 0; busy refusals (503 with retry-after) are counted apart.
+   timeouts (504) must stay at 0; busy refusals (503 with retry-after) are counted apart;
+5. the floor under kvguard's CPU: bench/noop_extproc.py (grpc.aio alone, every message answered
+   at once) in kvguard's place, at each capacity point's request rate. What grpc.aio costs per
+   request depends on the rate (the fewer requests, the fewer events each wake-up serves), so
+   it is measured at the rate kvguard sustained, not at the no-op's own capacity.
+
+kvguard runs as a default install does: Prometheus metrics on, a JSON log line per decision
+(written to a file). Each point records how busy kvguard's CPU and the others were.
 
 kvguard runs with jemalloc preloaded, as the image runs it, when the library is installed
 (Debian: libjemalloc2); `--allocator system` measures glibc's malloc instead. kvguard gets
@@ -78,6 +85,25 @@ MIX_EVERY = 20  # saturation mix: one request in this many carries a 32k-token p
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
+
+
+def cpu_ticks() -> dict[int, tuple[int, int]]:
+    """Per CPU: (idle + iowait ticks, all ticks), from /proc/stat."""
+    ticks = {}
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *values = line.split()
+        if name.startswith("cpu") and name[3:].isdigit():
+            v = [int(x) for x in values[:8]]
+            ticks[int(name[3:])] = (v[3] + v[4], sum(v))
+    return ticks
+
+
+def busy_percent(
+    before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]], cpus: set[int]
+) -> float:
+    idle = sum(after[c][0] - before[c][0] for c in cpus)
+    total = sum(after[c][1] - before[c][1] for c in cpus)
+    return round(100.0 * (1 - idle / total), 1) if total else float("nan")
 
 
 def _text(words: int, start: int) -> str:
@@ -246,12 +272,12 @@ def in_subprocess(call: str, *args: Any) -> dict[str, Any]:
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-def kvguard_config(port: int) -> dict[str, Any]:
+def kvguard_config(port: int, metrics_port: int) -> dict[str, Any]:
     return {
-        "server": {
+        "server": {  # the defaults' cost: Prometheus on, a JSON line per decision
             "grpc_listen": f"127.0.0.1:{port}",
-            "metrics_listen": "",
-            "log_level": "warning",
+            "metrics_listen": f"127.0.0.1:{metrics_port}",
+            "log_level": "info",
         },
         "ledger": {"url": "memory://", "lease_seconds": 60},
         "tenancy": {
@@ -275,10 +301,17 @@ def _ms(x: float) -> str:
 
 
 async def run(
-    quick: bool, bare_url: str, guarded_url: str, kvguard_pid: int, upstream: RecordingUpstream
-) -> dict[str, Any]:
-    seconds = 5.0 if quick else 15.0
+    quick: bool,
+    bare_url: str,
+    guarded_url: str,
+    kvguard_pid: int,
+    upstream: RecordingUpstream,
+    cpu_groups: dict[str, set[int]],
+) -> tuple[dict[str, Any], dict[tuple[str, int], Bodies]]:
+    """The measurements with kvguard in place; also the bodies of each capacity point."""
+    seconds = _seconds(quick)
     tokenizer = PoolTokenizer.load(TOKENIZER)
+    capacity_bodies: dict[tuple[str, int], Bodies] = {}
     results: dict[str, Any] = {
         "seconds_per_point": seconds,
         "concurrency": CONCURRENCY,
@@ -290,19 +323,15 @@ async def run(
     }
 
     async def client(call: str, *args: Any) -> dict[str, Any]:
-        try:
-            return await asyncio.to_thread(in_subprocess, call, *args)
-        finally:
-            upstream.clear()  # it records every request: keep its memory flat
+        return await _client(upstream, call, *args)
 
     async def measured(call: str, *args: Any) -> tuple[dict[str, Any], float]:
-        cpu0 = cpu_seconds(kvguard_pid)
-        result = await client(call, *args)
-        return result, cpu_seconds(kvguard_pid) - cpu0
+        return await _measured(upstream, kvguard_pid, cpu_groups, call, *args)
 
     for workload in ("unique", "history"):
         for tokens in (100, 1000):
             bodies = Bodies(calibrated_body(tokenizer, tokens, workload))
+            capacity_bodies[workload, tokens] = bodies
             await client("closed_loop", guarded_url, bodies, 1.0)
             sat, cpu = await measured("closed_loop", guarded_url, bodies, seconds)
             per_core = sat["requests"] / cpu
@@ -318,7 +347,8 @@ async def run(
             print(
                 f"{workload:>7} {tokens:>5} tok capacity: {sat['per_s']:6.0f} req/s "
                 f"(p50 {_ms(sat['p50_ms'])} ms) | kvguard {cpu * 1000 / sat['requests']:.3f} "
-                f"ms CPU/req = {per_core:5.0f} admissions/s/core | {sat['statuses']}",
+                f"ms CPU/req = {per_core:5.0f} admissions/s/core | {sat['statuses']} | "
+                f"busy % {sat['busy_percent']}",
                 flush=True,
             )
             rate = round(LOAD_SHARE * sat["per_s"])
@@ -342,7 +372,8 @@ async def run(
                 f"{_ms(guarded['p50_ms'])} p99 {_ms(guarded['p99_ms'])} p99.9 "
                 f"{_ms(guarded['p999_ms'])} | added p50 {_ms(point['added_p50_ms'])} p99 "
                 f"{_ms(point['added_p99_ms'])} p99.9 {_ms(point['added_p999_ms'])} ms | "
-                f"{guarded['statuses']}",
+                f"{guarded['statuses']} | kvguard {point['kvguard_cpu_ms_per_request']:.3f} ms "
+                f"CPU/req | busy % {guarded['busy_percent']}",
                 flush=True,
             )
     large_bodies = {}
@@ -378,7 +409,83 @@ async def run(
         f"{mix['large']['statuses']} | message timeouts (504): {timeouts}",
         flush=True,
     )
-    return results
+    return results, capacity_bodies
+
+
+async def floor(
+    quick: bool,
+    guarded_url: str,
+    noop_pid: int,
+    upstream: RecordingUpstream,
+    cpu_groups: dict[str, set[int]],
+    capacity: list[dict[str, Any]],
+    bodies: dict[tuple[str, int], Bodies],
+) -> list[dict[str, Any]]:
+    """The no-op processor's CPU per request at each capacity point's rate (open loop), and
+    what kvguard spent beyond it."""
+    points = []
+    first = capacity[0]
+    warm = bodies[first["workload"], first["prompt_tokens"]]
+    await _client(upstream, "closed_loop", guarded_url, warm, 1.0)  # connections open
+    for point in capacity:
+        key = point["workload"], point["prompt_tokens"]
+        rate = round(point["closed_loop"]["per_s"])
+        result, cpu = await _measured(
+            upstream,
+            noop_pid,
+            cpu_groups,
+            "open_loop",
+            guarded_url,
+            bodies[key],
+            rate,
+            _seconds(quick),
+        )
+        floor_ms = cpu * 1000 / result["requests"]
+        own_ms = point["kvguard_cpu_ms_per_request"] - floor_ms
+        points.append(
+            {
+                "workload": key[0],
+                "prompt_tokens": key[1],
+                "rate": rate,
+                "noop": result,
+                "noop_cpu_ms_per_request": floor_ms,
+                "kvguard_beyond_floor_ms": own_ms,
+            }
+        )
+        print(
+            f"{key[0]:>7} {key[1]:>5} tok {rate:>5} req/s: grpc.aio no-op {floor_ms:.3f} ms "
+            f"CPU/req; kvguard beyond it {own_ms:.3f} ms | {result['statuses']}",
+            flush=True,
+        )
+    return points
+
+
+def _seconds(quick: bool) -> float:
+    return 5.0 if quick else 15.0
+
+
+async def _client(upstream: RecordingUpstream, call: str, *args: Any) -> dict[str, Any]:
+    try:
+        return await asyncio.to_thread(in_subprocess, call, *args)
+    finally:
+        upstream.clear()  # it records every request: keep its memory flat
+
+
+async def _measured(
+    upstream: RecordingUpstream,
+    pid: int,
+    cpu_groups: dict[str, set[int]],
+    call: str,
+    *args: Any,
+) -> tuple[dict[str, Any], float]:
+    """The load's result (with how busy each CPU group was) and process `pid`'s CPU seconds."""
+    cpu0, ticks0 = cpu_seconds(pid), cpu_ticks()
+    result = await _client(upstream, call, *args)
+    cpu, ticks = cpu_seconds(pid) - cpu0, cpu_ticks()
+    result["busy_percent"] = {
+        group: busy_percent(ticks0, ticks, cpus) for group, cpus in cpu_groups.items()
+    }
+    return result, cpu
 
 
 def _cpus(share: bool) -> tuple[set[int] | None, set[int] | None]:
@@ -391,29 +498,46 @@ def _cpus(share: bool) -> tuple[set[int] | None, set[int] | None]:
     return {cpus[-1]}, set(cpus[:-1])
 
 
+async def _wait_cluster_down(envoy: EnvoyProcess, name: str, timeout: float = 30.0) -> None:
+    """Wait until Envoy's health check has seen the processor go."""
+    deadline = time.monotonic() + timeout
+    while all(stat == "healthy" for stat in (await envoy.cluster_health(name)).values()):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"Envoy still sees cluster {name!r} healthy after {timeout}s")
+        await asyncio.sleep(0.1)
+
+
 async def main(quick: bool, allocator: str, share_cpus: bool, processor: str) -> None:
     kvguard_cpus, other_cpus = _cpus(share_cpus)
     if other_cpus is not None:
         os.sched_setaffinity(0, other_cpus)  # Envoy and the load processes inherit it
+    cpu_groups = {"all_cpus": set(os.sched_getaffinity(0))}
+    if kvguard_cpus is not None and other_cpus is not None:
+        cpu_groups = {"kvguard_cpu": kvguard_cpus, "other_cpus": other_cpus}
     upstream = RecordingUpstream()
     await upstream.start()
     work = Path(tempfile.mkdtemp(prefix="kvguard-bench-"))
     port = free_port()
-    (work / "kvguard.yaml").write_text(yaml.safe_dump(kvguard_config(port)))
+    (work / "kvguard.yaml").write_text(yaml.safe_dump(kvguard_config(port, free_port())))
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     if allocator == "jemalloc":  # as the image runs it (Dockerfile)
         if JEMALLOC is None:
             raise SystemExit("libjemalloc is not installed: use --allocator system")
         env["LD_PRELOAD"] = JEMALLOC
+    noop = [sys.executable, str(ROOT / "bench" / "noop_extproc.py"), str(port)]
     command = [sys.executable, "-m", "kvguard", "serve", "--config", str(work / "kvguard.yaml")]
-    if processor == "noop":
-        command = [sys.executable, str(ROOT / "bench" / "noop_extproc.py"), str(port)]
-    kvguard = subprocess.Popen(
-        command,
-        stderr=(work / "kvguard.log").open("wb"),
-        env=env,
-        preexec_fn=None if kvguard_cpus is None else lambda: os.sched_setaffinity(0, kvguard_cpus),
-    )
+
+    def start(argv: list[str], log: str) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            argv,
+            stderr=(work / log).open("wb"),
+            env=env,
+            preexec_fn=None
+            if kvguard_cpus is None
+            else lambda: os.sched_setaffinity(0, kvguard_cpus),
+        )
+
+    processes = [start(noop if processor == "noop" else command, f"{processor}.log")]
     guarded_config = loopback_config(port, upstream.port)
     bare_config = without_http_filter(guarded_config, EXT_PROC_FILTER)
     (work / "bare").mkdir()
@@ -429,13 +553,31 @@ async def main(quick: bool, allocator: str, share_cpus: bool, processor: str) ->
                 f"Envoy, upstream and load on {other_cpus or 'all CPUs'}",
                 flush=True,
             )
-            results = await run(quick, bare.url, guarded.url, kvguard.pid, upstream)
+            results, bodies = await run(
+                quick, bare.url, guarded.url, processes[0].pid, upstream, cpu_groups
+            )
             results["allocator"] = allocator
             results["processor"] = processor
             results["kvguard_cpus"] = sorted(kvguard_cpus) if kvguard_cpus else "shared"
+            if processor == "kvguard":  # the no-op in its place, on its port and CPU
+                processes[0].terminate()
+                processes[0].wait(30)
+                await _wait_cluster_down(guarded, "kvguard")
+                processes.append(start(noop, "noop.log"))
+                await guarded.wait_cluster_healthy("kvguard", timeout=60)
+                results["floor"] = await floor(
+                    quick,
+                    guarded.url,
+                    processes[-1].pid,
+                    upstream,
+                    cpu_groups,
+                    results["capacity"],
+                    bodies,
+                )
     finally:
-        kvguard.terminate()
-        kvguard.wait(30)
+        for process in processes:
+            process.terminate()
+            process.wait(30)
         await upstream.stop()
     out = ROOT / "bench-results" / "overhead.json"
     out.parent.mkdir(exist_ok=True)
