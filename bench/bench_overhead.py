@@ -1,7 +1,8 @@
 """What kvguard adds to a request, measured through the real Envoy (a benchmark, not a test).
 
 Two Envoys from envoy/envoy.yaml in the same run: one with the ext_proc filter removed (bare),
-one with kvguard (`kvguard serve`, its own process, memory ledger) in front of the same local
+one with kvguard (`kvguard serve`, its own process, memory ledger; `--ledger redis`: a
+redis-server of its own on loopback, as replicas sharing a pool use) in front of the same local
 upstream. Load comes from a separate process; kvguard's CPU time comes from /proc.
 
 Chat prompts are calibrated to exactly 100, 1k, 8k and 32k Qwen prompt tokens as kvguard counts
@@ -35,13 +36,14 @@ process run on every CPU. `--processor noop` puts bench/noop_extproc.py (every m
 CONTINUE at once) in kvguard's place: the floor grpc.aio sets under kvguard's figures.
 
     .venv/bin/python bench/bench_overhead.py [--quick] [--allocator jemalloc|system]
-        [--share-cpus] [--processor kvguard|noop]
+        [--share-cpus] [--processor kvguard|noop] [--ledger memory|redis]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ctypes.util
 import itertools
 import json
@@ -68,6 +70,7 @@ from kvguard.testing.envoy import (  # noqa: E402
     loopback_config,
     without_http_filter,
 )
+from kvguard.testing.redis import RedisServer  # noqa: E402
 from kvguard.testing.upstream import RecordingUpstream  # noqa: E402
 from kvguard.tokenizer import PoolTokenizer  # noqa: E402
 
@@ -272,14 +275,14 @@ def in_subprocess(call: str, *args: Any) -> dict[str, Any]:
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-def kvguard_config(port: int, metrics_port: int) -> dict[str, Any]:
+def kvguard_config(port: int, metrics_port: int, ledger_url: str) -> dict[str, Any]:
     return {
         "server": {  # the defaults' cost: Prometheus on, a JSON line per decision
             "grpc_listen": f"127.0.0.1:{port}",
             "metrics_listen": f"127.0.0.1:{metrics_port}",
             "log_level": "info",
         },
-        "ledger": {"url": "memory://", "lease_seconds": 60},
+        "ledger": {"url": ledger_url, "lease_seconds": 60},
         "tenancy": {
             "default_tier": "pro",
             "tiers": {"pro": {"max_tokens_cap": 64, "default_max_tokens": 16, "max_blocks": 10**6}},
@@ -507,18 +510,35 @@ async def _wait_cluster_down(envoy: EnvoyProcess, name: str, timeout: float = 30
         await asyncio.sleep(0.1)
 
 
-async def main(quick: bool, allocator: str, share_cpus: bool, processor: str) -> None:
+async def main(quick: bool, allocator: str, share_cpus: bool, processor: str, ledger: str) -> None:
     kvguard_cpus, other_cpus = _cpus(share_cpus)
     if other_cpus is not None:
-        os.sched_setaffinity(0, other_cpus)  # Envoy and the load processes inherit it
+        os.sched_setaffinity(0, other_cpus)  # Envoy, Redis and the load processes inherit it
+    work = Path(tempfile.mkdtemp(prefix="kvguard-bench-"))
+    with contextlib.ExitStack() as stack:
+        ledger_url = "memory://"
+        if ledger == "redis":  # on the CPUs Envoy and the load share
+            ledger_url = stack.enter_context(RedisServer(work / "redis")).url
+        await _bench(quick, allocator, processor, ledger_url, work, kvguard_cpus, other_cpus)
+
+
+async def _bench(
+    quick: bool,
+    allocator: str,
+    processor: str,
+    ledger_url: str,
+    work: Path,
+    kvguard_cpus: set[int] | None,
+    other_cpus: set[int] | None,
+) -> None:
     cpu_groups = {"all_cpus": set(os.sched_getaffinity(0))}
     if kvguard_cpus is not None and other_cpus is not None:
         cpu_groups = {"kvguard_cpu": kvguard_cpus, "other_cpus": other_cpus}
     upstream = RecordingUpstream()
     await upstream.start()
-    work = Path(tempfile.mkdtemp(prefix="kvguard-bench-"))
     port = free_port()
-    (work / "kvguard.yaml").write_text(yaml.safe_dump(kvguard_config(port, free_port())))
+    config = kvguard_config(port, free_port(), ledger_url)
+    (work / "kvguard.yaml").write_text(yaml.safe_dump(config))
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     if allocator == "jemalloc":  # as the image runs it (Dockerfile)
         if JEMALLOC is None:
@@ -549,8 +569,8 @@ async def main(quick: bool, allocator: str, share_cpus: bool, processor: str) ->
         ):
             await guarded.wait_cluster_healthy("kvguard", timeout=60)
             print(
-                f"{processor} runs on {allocator} malloc, on CPUs {kvguard_cpus or 'shared'}; "
-                f"Envoy, upstream and load on {other_cpus or 'all CPUs'}",
+                f"{processor} runs on {allocator} malloc, on CPUs {kvguard_cpus or 'shared'}, "
+                f"ledger {ledger_url}; Envoy, upstream and load on {other_cpus or 'all CPUs'}",
                 flush=True,
             )
             results, bodies = await run(
@@ -558,6 +578,7 @@ async def main(quick: bool, allocator: str, share_cpus: bool, processor: str) ->
             )
             results["allocator"] = allocator
             results["processor"] = processor
+            results["ledger"] = ledger_url.partition(":")[0]
             results["kvguard_cpus"] = sorted(kvguard_cpus) if kvguard_cpus else "shared"
             if processor == "kvguard":  # the no-op in its place, on its port and CPU
                 processes[0].terminate()
@@ -605,5 +626,11 @@ if __name__ == "__main__":
         default="kvguard",
         help="noop: bench/noop_extproc.py in kvguard's place, what grpc.aio alone costs",
     )
+    parser.add_argument(
+        "--ledger",
+        choices=["memory", "redis"],
+        default="memory",
+        help="redis: a redis-server of its own on loopback, as replicas sharing a pool use",
+    )
     args = parser.parse_args()
-    uvloop.run(main(args.quick, args.allocator, args.share_cpus, args.processor))
+    uvloop.run(main(args.quick, args.allocator, args.share_cpus, args.processor, args.ledger))
