@@ -52,6 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,7 @@ from typing import Any
 import aiohttp
 import uvloop
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -310,6 +312,7 @@ async def run(
     kvguard_pid: int,
     upstream: RecordingUpstream,
     cpu_groups: dict[str, set[int]],
+    metrics_url: str,
 ) -> tuple[dict[str, Any], dict[tuple[str, int], Bodies]]:
     """The measurements with kvguard in place; also the bodies of each capacity point."""
     seconds = _seconds(quick)
@@ -329,7 +332,7 @@ async def run(
         return await _client(upstream, call, *args)
 
     async def measured(call: str, *args: Any) -> tuple[dict[str, Any], float]:
-        return await _measured(upstream, kvguard_pid, cpu_groups, call, *args)
+        return await _measured(upstream, kvguard_pid, cpu_groups, call, *args, metrics=metrics_url)
 
     for workload in ("unique", "history"):
         for tokens in (100, 1000):
@@ -376,7 +379,8 @@ async def run(
                 f"{_ms(guarded['p999_ms'])} | added p50 {_ms(point['added_p50_ms'])} p99 "
                 f"{_ms(point['added_p99_ms'])} p99.9 {_ms(point['added_p999_ms'])} ms | "
                 f"{guarded['statuses']} | kvguard {point['kvguard_cpu_ms_per_request']:.3f} ms "
-                f"CPU/req | busy % {guarded['busy_percent']}",
+                f"CPU/req, decides p50/p99 <= {_bucket(guarded, 'p50')}/{_bucket(guarded, 'p99')} "
+                f"ms | busy % {guarded['busy_percent']}",
                 flush=True,
             )
     large_bodies = {}
@@ -463,6 +467,10 @@ async def floor(
     return points
 
 
+def _bucket(result: dict[str, Any], quantile: str) -> str:
+    return f"{result.get(f'decision_{quantile}_at_most_ms', float('nan')):g}"
+
+
 def _seconds(quick: bool) -> float:
     return 5.0 if quick else 15.0
 
@@ -480,15 +488,47 @@ async def _measured(
     cpu_groups: dict[str, set[int]],
     call: str,
     *args: Any,
+    metrics: str = "",
 ) -> tuple[dict[str, Any], float]:
-    """The load's result (with how busy each CPU group was) and process `pid`'s CPU seconds."""
+    """The load's result (with how busy each CPU group was) and process `pid`'s CPU seconds;
+    with `metrics` (kvguard's Prometheus URL), the bucket of kvguard's own decision time that
+    holds the p50 and the p99 of this load's decisions."""
+    buckets0 = decision_buckets(metrics) if metrics else {}
     cpu0, ticks0 = cpu_seconds(pid), cpu_ticks()
     result = await _client(upstream, call, *args)
     cpu, ticks = cpu_seconds(pid) - cpu0, cpu_ticks()
     result["busy_percent"] = {
         group: busy_percent(ticks0, ticks, cpus) for group, cpus in cpu_groups.items()
     }
+    if metrics:
+        buckets = decision_buckets(metrics)
+        result["decision_p50_at_most_ms"] = bucket_quantile(buckets0, buckets, 0.50)
+        result["decision_p99_at_most_ms"] = bucket_quantile(buckets0, buckets, 0.99)
     return result, cpu
+
+
+def decision_buckets(metrics_url: str) -> dict[float, float]:
+    """kvguard_decision_duration_seconds: cumulative count per bucket bound (seconds)."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    counts: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "kvguard_decision_duration_seconds":
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):
+                    bound = float(sample.labels["le"])
+                    counts[bound] = counts.get(bound, 0.0) + sample.value
+    return counts
+
+
+def bucket_quantile(before: dict[float, float], after: dict[float, float], q: float) -> float:
+    """The upper bound (ms) of the histogram bucket that holds quantile `q` of the decisions
+    counted between two scrapes (inf past the last finite bound; nan without decisions)."""
+    cumulative = sorted((bound, after[bound] - before.get(bound, 0.0)) for bound in after)
+    if not cumulative or cumulative[-1][1] == 0:
+        return float("nan")
+    total = cumulative[-1][1]
+    return next(bound * 1000 for bound, count in cumulative if count >= q * total)
 
 
 def _cpus(share: bool) -> tuple[set[int] | None, set[int] | None]:
@@ -536,8 +576,8 @@ async def _bench(
         cpu_groups = {"kvguard_cpu": kvguard_cpus, "other_cpus": other_cpus}
     upstream = RecordingUpstream()
     await upstream.start()
-    port = free_port()
-    config = kvguard_config(port, free_port(), ledger_url)
+    port, metrics_port = free_port(), free_port()
+    config = kvguard_config(port, metrics_port, ledger_url)
     (work / "kvguard.yaml").write_text(yaml.safe_dump(config))
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     if allocator == "jemalloc":  # as the image runs it (Dockerfile)
@@ -573,8 +613,15 @@ async def _bench(
                 f"ledger {ledger_url}; Envoy, upstream and load on {other_cpus or 'all CPUs'}",
                 flush=True,
             )
+            metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
             results, bodies = await run(
-                quick, bare.url, guarded.url, processes[0].pid, upstream, cpu_groups
+                quick,
+                bare.url,
+                guarded.url,
+                processes[0].pid,
+                upstream,
+                cpu_groups,
+                metrics_url if processor == "kvguard" else "",
             )
             results["allocator"] = allocator
             results["processor"] = processor
