@@ -15,8 +15,8 @@ them. Two workloads:
 Per prompt size and workload it prints and writes to bench-results/overhead.json:
 1. capacity: closed loop (CONCURRENCY streams, back to back) through Envoy + kvguard: requests/s
    and the admissions one kvguard core sustains (requests / kvguard CPU seconds);
-2. added latency at 60 % of that capacity (open loop: arrivals do not wait for answers):
-   p50/p99/p99.9 bare and guarded, and their difference;
+2. added latency at 30 % and 60 % of that capacity (open loop: arrivals do not wait for
+   answers): p50/p99/p99.9 bare and guarded, and their difference;
 3. decision latency of 8k and 32k-token prompts alone (4 requests/s), against bare;
 4. saturation with 32k-token prompts mixed in (one request in 20, closed loop): Envoy's message
    timeouts (504) must stay at 0; busy refusals (503 with retry-after) are counted apart;
@@ -81,7 +81,7 @@ WORDS = (ROOT / "README.md").read_text().split()
 TICKS = os.sysconf("SC_CLK_TCK")
 JEMALLOC = ctypes.util.find_library("jemalloc")
 CONCURRENCY = 16
-LOAD_SHARE = 0.6  # the fraction of measured capacity at which latency is measured
+LOAD_SHARES = (0.3, 0.6)  # the fractions of measured capacity at which latency is measured
 NONCE = "00000000"  # replaced by the request number: 8 digits, 8 tokens, whatever the number
 HISTORY_SHARE = 0.9  # of a `history` prompt's tokens, the part earlier requests already sent
 MIX_EVERY = 20  # saturation mix: one request in this many carries a 32k-token prompt
@@ -357,32 +357,34 @@ async def run(
                 f"busy % {sat['busy_percent']}",
                 flush=True,
             )
-            rate = round(LOAD_SHARE * sat["per_s"])
-            bare = await client("open_loop", bare_url, bodies, rate, seconds)
-            guarded, cpu = await measured("open_loop", guarded_url, bodies, rate, seconds)
-            point = {
-                "workload": workload,
-                "prompt_tokens": tokens,
-                "rate": rate,
-                "bare": bare,
-                "guarded": guarded,
-                "added_p50_ms": guarded["p50_ms"] - bare["p50_ms"],
-                "added_p99_ms": guarded["p99_ms"] - bare["p99_ms"],
-                "added_p999_ms": guarded["p999_ms"] - bare["p999_ms"],
-                "kvguard_cpu_ms_per_request": cpu * 1000 / guarded["requests"],
-            }
-            results["latency"].append(point)
-            print(
-                f"{workload:>7} {tokens:>5} tok {rate:>5} req/s (60 %): bare p50 "
-                f"{_ms(bare['p50_ms'])} p99 {_ms(bare['p99_ms'])} | guarded p50 "
-                f"{_ms(guarded['p50_ms'])} p99 {_ms(guarded['p99_ms'])} p99.9 "
-                f"{_ms(guarded['p999_ms'])} | added p50 {_ms(point['added_p50_ms'])} p99 "
-                f"{_ms(point['added_p99_ms'])} p99.9 {_ms(point['added_p999_ms'])} ms | "
-                f"{guarded['statuses']} | kvguard {point['kvguard_cpu_ms_per_request']:.3f} ms "
-                f"CPU/req, decides p50/p99 <= {_bucket(guarded, 'p50')}/{_bucket(guarded, 'p99')} "
-                f"ms | busy % {guarded['busy_percent']}",
-                flush=True,
-            )
+            for share in LOAD_SHARES:
+                rate = round(share * sat["per_s"])
+                bare = await client("open_loop", bare_url, bodies, rate, seconds)
+                guarded, cpu = await measured("open_loop", guarded_url, bodies, rate, seconds)
+                point = {
+                    "workload": workload,
+                    "prompt_tokens": tokens,
+                    "load_share": share,
+                    "rate": rate,
+                    "bare": bare,
+                    "guarded": guarded,
+                    "added_p50_ms": guarded["p50_ms"] - bare["p50_ms"],
+                    "added_p99_ms": guarded["p99_ms"] - bare["p99_ms"],
+                    "added_p999_ms": guarded["p999_ms"] - bare["p999_ms"],
+                    "kvguard_cpu_ms_per_request": cpu * 1000 / guarded["requests"],
+                }
+                results["latency"].append(point)
+                print(
+                    f"{workload:>7} {tokens:>5} tok {rate:>5} req/s ({share:.0%}): bare p50 "
+                    f"{_ms(bare['p50_ms'])} p99 {_ms(bare['p99_ms'])} | guarded p50 "
+                    f"{_ms(guarded['p50_ms'])} p99 {_ms(guarded['p99_ms'])} p99.9 "
+                    f"{_ms(guarded['p999_ms'])} | added p50 {_ms(point['added_p50_ms'])} p99 "
+                    f"{_ms(point['added_p99_ms'])} p99.9 {_ms(point['added_p999_ms'])} ms | "
+                    f"{guarded['statuses']} | kvguard {point['kvguard_cpu_ms_per_request']:.3f} ms "
+                    f"CPU/req, decides p50/p99 <= {_bucket(guarded, 'p50')}/"
+                    f"{_bucket(guarded, 'p99')} ms | busy % {guarded['busy_percent']}",
+                    flush=True,
+                )
     large_bodies = {}
     for tokens in (8000, 32000):
         bodies = large_bodies[tokens] = Bodies(calibrated_body(tokenizer, tokens, "unique"))
