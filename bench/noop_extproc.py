@@ -7,14 +7,9 @@ what grpc.aio itself costs per request (the floor under kvguard's figures).
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import AsyncIterator
 from typing import Any
-
-from kvguard.cli import GRPC_EXPERIMENTS
-
-os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)  # as `kvguard serve` runs grpc
 
 import grpc
 import uvloop

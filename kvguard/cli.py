@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 from kvguard import config as configs
 from kvguard import logs
-
-# grpc's EventEngine listener (its default since 1.6x) costs kvguard ~10 % more CPU per request
-# than the listener before it, through Envoy at capacity (README "What it costs"). `serve` turns
-# it off before gRPC loads, unless GRPC_EXPERIMENTS is set already (even empty: grpc's default).
-GRPC_EXPERIMENTS = "-event_engine_listener"
 
 
 def _check_config(path: str) -> int:
@@ -60,7 +54,6 @@ def _check_config(path: str) -> int:
 
 
 def _serve(path: str) -> int:
-    os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)
     try:
         config = configs.load(path)
     except configs.ConfigError as exc:

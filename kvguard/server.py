@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import gc
 import logging
-import os
 import signal
 from pathlib import Path
 
@@ -138,11 +137,10 @@ class Service:
         await self.grpc.start()
         host = self.config.server.grpc_listen.rsplit(":", 1)[0]
         log.info(
-            "kvguard serving ext_proc and health on %s:%d (allocator: %s, GRPC_EXPERIMENTS=%s)",
+            "kvguard serving ext_proc and health on %s:%d (allocator: %s)",
             host,
             self.grpc.port,
             allocator(),
-            os.environ.get("GRPC_EXPERIMENTS", ""),
         )
         jobs = [self.keeper.renew_forever(), self._refresh_view(), self.discovery.run()]
         if self._watcher is not None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import sys
 import time
@@ -137,27 +136,6 @@ async def _post(http: aiohttp.ClientSession, url: str, headers: dict[str, str]) 
     ) as response:
         await response.read()
         return response.status
-
-
-@pytest.mark.parametrize(
-    ("operator", "effective"), [(None, "-event_engine_listener"), ("", "")], ids=["unset", "empty"]
-)
-async def test_serve_turns_grpcs_event_engine_listener_off_unless_the_operator_chose(
-    tmp_path: Path, operator: str | None, effective: str
-) -> None:
-    port = free_port()
-    path = write_config(tmp_path, kvguard_config(grpc_port=port))
-    log_path = tmp_path / "kvguard.log"
-    env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"}
-    if operator is not None:
-        env["GRPC_EXPERIMENTS"] = operator
-    async with kvguard_serve(path, port, log_path, env) as process:
-        process.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(process.wait(), 15) == 0
-    # Every line is kvguard's JSON: grpc knows the experiment and printed nothing of its own.
-    records = [json.loads(line) for line in log_path.read_text().splitlines()]
-    (started,) = [r for r in records if r["message"].startswith("kvguard serving")]
-    assert started["message"].endswith(f", GRPC_EXPERIMENTS={effective})")
 
 
 async def test_a_second_process_on_a_taken_port_fails_to_start(tmp_path: Path) -> None:
