@@ -543,15 +543,6 @@ def _cpus(share: bool) -> tuple[set[int] | None, set[int] | None]:
     return {cpus[-1]}, set(cpus[:-1])
 
 
-async def _wait_cluster_down(envoy: EnvoyProcess, name: str, timeout: float = 30.0) -> None:
-    """Wait until Envoy's health check has seen the processor go."""
-    deadline = time.monotonic() + timeout
-    while all(stat == "healthy" for stat in (await envoy.cluster_health(name)).values()):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"Envoy still sees cluster {name!r} healthy after {timeout}s")
-        await asyncio.sleep(0.1)
-
-
 async def main(quick: bool, allocator: str, share_cpus: bool, processor: str, ledger: str) -> None:
     kvguard_cpus, other_cpus = _cpus(share_cpus)
     if other_cpus is not None:
@@ -632,7 +623,7 @@ async def _bench(
             if processor == "kvguard":  # the no-op in its place, on its port and CPU
                 processes[0].terminate()
                 processes[0].wait(30)
-                await _wait_cluster_down(guarded, "kvguard")
+                await guarded.wait_cluster_unhealthy("kvguard", timeout=30)
                 processes.append(start(noop, "noop.log"))
                 await guarded.wait_cluster_healthy("kvguard", timeout=60)
                 results["floor"] = await floor(

@@ -6,8 +6,8 @@ the queue, never the caller: a stderr that blocks (a full pipe to the container 
 stalled in writeback) must not stop the event loop that answers Envoy. A write that stalled ~6 s
 did exactly that once: every decision waited, and Envoy answered 504. The writer wakes every
 FLUSH_INTERVAL_S (or when a burst fills half the queue) and writes what is queued at once: a
-wake-up per line, a context switch and a handoff of the GIL each, cost ~0.1 ms of CPU per
-decision at ~1,500 decisions/s, five times what formatting the line costs. At most
+wake-up per line, a context switch and a handoff of the GIL each, cost ~0.05 ms of CPU per
+decision at ~1,500 decisions/s through Envoy (0.672 -> 0.624 ms per 100-token request). At most
 MAX_QUEUED_RECORDS lines wait; past that lines are dropped, and a warning says how many once
 there is room again.
 """
@@ -48,27 +48,28 @@ class _Lines(logging.Handler):
         self.dropped = 0
 
     def emit(self, record: logging.LogRecord) -> None:
+        if len(self.lines) >= MAX_QUEUED_RECORDS:  # no room: not even formatted
+            self.dropped += 1
+            return
+        if self.dropped:
+            lost = logging.makeLogRecord(
+                {
+                    "name": __name__,
+                    "levelno": logging.WARNING,
+                    "levelname": "WARNING",
+                    "msg": f"{self.dropped} log records dropped: stderr did not keep up",
+                }
+            )
+            self.dropped = 0
+            self._queue(lost)
+        self._queue(record)
+
+    def _queue(self, record: logging.LogRecord) -> None:
         try:
-            line = self.format(record)
+            self.lines.append(self.format(record))
         except Exception:
             self.handleError(record)
             return
-        if self.dropped and len(self.lines) < MAX_QUEUED_RECORDS:
-            lost = logging.LogRecord(
-                __name__,
-                logging.WARNING,
-                __file__,
-                0,
-                f"{self.dropped} log records dropped: stderr did not keep up",
-                None,
-                None,
-            )
-            self.lines.append(self.format(lost))
-            self.dropped = 0
-        if len(self.lines) >= MAX_QUEUED_RECORDS:
-            self.dropped += 1
-            return
-        self.lines.append(line)
         if len(self.lines) == MAX_QUEUED_RECORDS // 2:
             self.wake.set()
 

@@ -276,15 +276,23 @@ class EnvoyProcess:
 
     async def wait_cluster_healthy(self, name: str, timeout: float = 15.0) -> None:
         """Wait until every host of cluster `name` passes its health check."""
+        await self._wait_cluster(name, True, timeout)
+
+    async def wait_cluster_unhealthy(self, name: str, timeout: float = 15.0) -> None:
+        """Wait until Envoy's health check has failed a host of cluster `name`."""
+        await self._wait_cluster(name, False, timeout)
+
+    async def _wait_cluster(self, name: str, healthy: bool, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         flags: dict[str, str] = {}
         while True:
             self._check_running()
             flags = await self.cluster_health(name)
-            if flags and all(stat == "healthy" for stat in flags.values()):
+            if bool(flags) and all(stat == "healthy" for stat in flags.values()) == healthy:
                 return
             if time.monotonic() > deadline:
-                raise self._error(f"cluster {name!r} not healthy after {timeout}s: {flags}")
+                state = "healthy" if healthy else "unhealthy"
+                raise self._error(f"cluster {name!r} not {state} after {timeout}s: {flags}")
             await asyncio.sleep(_POLL_S)
 
     async def stats(self, pattern: str = "") -> dict[str, int]:

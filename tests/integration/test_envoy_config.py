@@ -19,6 +19,7 @@ from kvguard.testing.envoy import (
     SHIPPED_CONFIG,
     UPSTREAM_CLUSTER,
     EnvoyConfigError,
+    EnvoyError,
     EnvoyProcess,
     cluster,
     http_filter,
@@ -200,6 +201,9 @@ async def test_requests_fail_closed_while_kvguard_is_down(
 ) -> None:
     config = render(kvguard_port=refusing_port, upstream_port=upstream.port)
     async with EnvoyProcess(config, tmp_path) as envoy, aiohttp.ClientSession() as client:
+        await envoy.wait_cluster_unhealthy(KVGUARD_CLUSTER)
+        with pytest.raises(EnvoyError, match="not healthy"):
+            await envoy.wait_cluster_healthy(KVGUARD_CLUSTER, timeout=0.3)
         assert await envoy.cluster_health(KVGUARD_CLUSTER) == {
             f"127.0.0.1:{refusing_port}": "/failed_active_hc"
         }
