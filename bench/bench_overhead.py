@@ -3,7 +3,10 @@
 Two Envoys from envoy/envoy.yaml in the same run: one with the ext_proc filter removed (bare),
 one with kvguard (`kvguard serve`, its own process, memory ledger; `--ledger redis`: a
 redis-server of its own on loopback, as replicas sharing a pool use) in front of the same local
-upstream. Load comes from a separate process; kvguard's CPU time comes from /proc.
+upstream. Load comes from a separate process; kvguard's CPU time comes from /proc. Both ends
+are lean (bench/http_load.py: an HTTP/1.1 client on raw asyncio protocols, and an upstream that
+answers every request at once), so that they take little of the CPU Envoy runs on; each load
+reports its own CPU per request.
 
 Chat prompts are calibrated to exactly 100, 1k, 8k and 32k Qwen prompt tokens as kvguard counts
 them. Two workloads:
@@ -37,6 +40,7 @@ CONTINUE at once) in kvguard's place: the floor grpc.aio sets under kvguard's fi
 
     .venv/bin/python bench/bench_overhead.py [--quick] [--allocator jemalloc|system]
         [--share-cpus] [--processor kvguard|noop] [--ledger memory|redis]
+        [--load-client http1|aiohttp]
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ import tempfile
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +70,7 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.http_load import Http1Client, LeanUpstream  # noqa: E402
 from kvguard.testing import free_port  # noqa: E402
 from kvguard.testing.envoy import (  # noqa: E402
     EXT_PROC_FILTER,
@@ -73,7 +79,6 @@ from kvguard.testing.envoy import (  # noqa: E402
     without_http_filter,
 )
 from kvguard.testing.redis import RedisServer  # noqa: E402
-from kvguard.testing.upstream import RecordingUpstream  # noqa: E402
 from kvguard.tokenizer import PoolTokenizer  # noqa: E402
 
 TOKENIZER = ROOT / ".cache" / "models" / "qwen"
@@ -85,6 +90,8 @@ LOAD_SHARES = (0.3, 0.6)  # the fractions of measured capacity at which latency 
 NONCE = "00000000"  # replaced by the request number: 8 digits, 8 tokens, whatever the number
 HISTORY_SHARE = 0.9  # of a `history` prompt's tokens, the part earlier requests already sent
 MIX_EVERY = 20  # saturation mix: one request in this many carries a 32k-token prompt
+Post = Callable[[bytes, int], Awaitable[int]]  # post(body, i) -> HTTP status
+LOAD_CLIENT = ["http1"]  # the load processes' HTTP client (--load-client)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -194,28 +201,55 @@ def _summary(latencies: list[float], statuses: Counter[int], seconds: float) -> 
     }
 
 
-async def _post(http: aiohttp.ClientSession, url: str, body: bytes, i: int) -> int:
-    async with http.post(
-        url + "/v1/chat/completions",
-        data=body,
-        headers={"content-type": "application/json", "x-tenant-id": f"t{i % 8}"},
-    ) as response:
-        await response.read()
-        return response.status
+def _per_request_ms(cpu_seconds: float, latencies: list[float]) -> float:
+    """The load process's own CPU per request: what it takes from the CPUs Envoy runs on."""
+    return cpu_seconds * 1000 / len(latencies) if latencies else float("nan")
 
 
-async def open_loop(url: str, bodies: Bodies, rate: float, seconds: float) -> dict[str, Any]:
+@contextlib.asynccontextmanager
+async def _poster(url: str, load_client: str) -> AsyncIterator[Post]:
+    """post(body, i) -> status, to url's chat endpoint; request i's tenant is t{i % 8}.
+    `http1`: bench/http_load.py's lean client; `aiohttp`: aiohttp's, as earlier runs used."""
+    if load_client == "http1":
+        lean = Http1Client(url)
+
+        async def post_http1(body: bytes, i: int) -> int:
+            headers = {"content-type": "application/json", "x-tenant-id": f"t{i % 8}"}
+            return await lean.post("/v1/chat/completions", body, headers)
+
+        try:
+            yield post_http1
+        finally:
+            lean.close()
+        return
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+
+        async def post_aiohttp(body: bytes, i: int) -> int:
+            async with http.post(
+                url + "/v1/chat/completions",
+                data=body,
+                headers={"content-type": "application/json", "x-tenant-id": f"t{i % 8}"},
+            ) as response:
+                await response.read()
+                return response.status
+
+        yield post_aiohttp
+
+
+async def open_loop(
+    url: str, bodies: Bodies, rate: float, seconds: float, load_client: str = "http1"
+) -> dict[str, Any]:
     """Request i starts at i / rate, whatever happened to the others."""
     latencies: list[float] = []
     statuses: Counter[int] = Counter()
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+    async with _poster(url, load_client) as post:
 
         async def one(i: int) -> None:
             start = time.perf_counter()
-            statuses[await _post(http, url, bodies(i), i)] += 1
+            statuses[await post(bodies(i), i)] += 1
             latencies.append(time.perf_counter() - start)
 
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         tasks = []
         for i in range(int(rate * seconds)):
             delay = t0 + i / rate - time.perf_counter()
@@ -223,11 +257,17 @@ async def open_loop(url: str, bodies: Bodies, rate: float, seconds: float) -> di
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(i)))
         await asyncio.gather(*tasks)
-    return _summary(latencies, statuses, seconds)
+    result = _summary(latencies, statuses, seconds)
+    result["client_cpu_ms_per_request"] = _per_request_ms(time.process_time() - cpu0, latencies)
+    return result
 
 
 async def closed_loop(
-    url: str, bodies: Bodies, seconds: float, large: Bodies | None = None
+    url: str,
+    bodies: Bodies,
+    seconds: float,
+    large: Bodies | None = None,
+    load_client: str = "http1",
 ) -> dict[str, Any]:
     """CONCURRENCY streams send back to back for `seconds`; with `large`, request i uses it
     when i % MIX_EVERY == 0 (reported apart as "large")."""
@@ -236,7 +276,7 @@ async def closed_loop(
         "large": ([], Counter()),
     }
     counter = iter(range(10**9))
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+    async with _poster(url, load_client) as post:
         deadline = time.perf_counter() + seconds
 
         async def stream() -> None:
@@ -245,13 +285,15 @@ async def closed_loop(
                 is_large = large is not None and i % MIX_EVERY == 0
                 latencies, statuses = kinds["large" if is_large else "small"]
                 start = time.perf_counter()
-                statuses[await _post(http, url, (large if is_large else bodies)(i), i)] += 1
+                statuses[await post((large if is_large else bodies)(i), i)] += 1
                 latencies.append(time.perf_counter() - start)
 
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         await asyncio.gather(*(stream() for _ in range(CONCURRENCY)))
         elapsed = time.perf_counter() - t0
     result = _summary(*kinds["small"], elapsed)
+    requests = kinds["small"][0] + kinds["large"][0]
+    result["client_cpu_ms_per_request"] = _per_request_ms(time.process_time() - cpu0, requests)
     if large is not None:
         result["large"] = _summary(*kinds["large"], elapsed)
     return result
@@ -269,7 +311,7 @@ def in_subprocess(call: str, *args: Any) -> dict[str, Any]:
         "from bench.bench_overhead import Bodies, open_loop, closed_loop; "
         "args = [Bodies.from_spec(a) if isinstance(a, list) else a "
         "for a in json.loads(sys.stdin.read())]; "
-        f"print(json.dumps(uvloop.run({call}(*args))))"
+        f"print(json.dumps(uvloop.run({call}(*args, load_client={LOAD_CLIENT[0]!r}))))"
     )
     out = subprocess.run([sys.executable, "-c", code], input=spec, capture_output=True, text=True)
     if out.returncode != 0:
@@ -310,7 +352,6 @@ async def run(
     bare_url: str,
     guarded_url: str,
     kvguard_pid: int,
-    upstream: RecordingUpstream,
     cpu_groups: dict[str, set[int]],
     metrics_url: str,
 ) -> tuple[dict[str, Any], dict[tuple[str, int], Bodies]]:
@@ -329,10 +370,10 @@ async def run(
     }
 
     async def client(call: str, *args: Any) -> dict[str, Any]:
-        return await _client(upstream, call, *args)
+        return await _client(call, *args)
 
     async def measured(call: str, *args: Any) -> tuple[dict[str, Any], float]:
-        return await _measured(upstream, kvguard_pid, cpu_groups, call, *args, metrics=metrics_url)
+        return await _measured(kvguard_pid, cpu_groups, call, *args, metrics=metrics_url)
 
     for workload in ("unique", "history"):
         for tokens in (100, 1000):
@@ -425,7 +466,6 @@ async def floor(
     quick: bool,
     guarded_url: str,
     noop_pid: int,
-    upstream: RecordingUpstream,
     cpu_groups: dict[str, set[int]],
     capacity: list[dict[str, Any]],
     bodies: dict[tuple[str, int], Bodies],
@@ -435,12 +475,11 @@ async def floor(
     points = []
     first = capacity[0]
     warm = bodies[first["workload"], first["prompt_tokens"]]
-    await _client(upstream, "closed_loop", guarded_url, warm, 1.0)  # connections open
+    await _client("closed_loop", guarded_url, warm, 1.0)  # connections open
     for point in capacity:
         key = point["workload"], point["prompt_tokens"]
         rate = round(point["closed_loop"]["per_s"])
         result, cpu = await _measured(
-            upstream,
             noop_pid,
             cpu_groups,
             "open_loop",
@@ -477,15 +516,11 @@ def _seconds(quick: bool) -> float:
     return 5.0 if quick else 15.0
 
 
-async def _client(upstream: RecordingUpstream, call: str, *args: Any) -> dict[str, Any]:
-    try:
-        return await asyncio.to_thread(in_subprocess, call, *args)
-    finally:
-        upstream.clear()  # it records every request: keep its memory flat
+async def _client(call: str, *args: Any) -> dict[str, Any]:
+    return await asyncio.to_thread(in_subprocess, call, *args)
 
 
 async def _measured(
-    upstream: RecordingUpstream,
     pid: int,
     cpu_groups: dict[str, set[int]],
     call: str,
@@ -495,15 +530,15 @@ async def _measured(
     """The load's result (with how busy each CPU group was) and process `pid`'s CPU seconds;
     with `metrics` (kvguard's Prometheus URL), the bucket of kvguard's own decision time that
     holds the p50 and the p99 of this load's decisions."""
-    buckets0 = decision_buckets(metrics) if metrics else {}
+    buckets0 = await asyncio.to_thread(decision_buckets, metrics) if metrics else {}
     cpu0, ticks0 = cpu_seconds(pid), cpu_ticks()
-    result = await _client(upstream, call, *args)
+    result = await _client(call, *args)
     cpu, ticks = cpu_seconds(pid) - cpu0, cpu_ticks()
     result["busy_percent"] = {
         group: busy_percent(ticks0, ticks, cpus) for group, cpus in cpu_groups.items()
     }
     if metrics:
-        buckets = decision_buckets(metrics)
+        buckets = await asyncio.to_thread(decision_buckets, metrics)
         result["decision_p50_at_most_ms"] = bucket_quantile(buckets0, buckets, 0.50)
         result["decision_p99_at_most_ms"] = bucket_quantile(buckets0, buckets, 0.99)
     return result, cpu
@@ -567,7 +602,7 @@ async def _bench(
     cpu_groups = {"all_cpus": set(os.sched_getaffinity(0))}
     if kvguard_cpus is not None and other_cpus is not None:
         cpu_groups = {"kvguard_cpu": kvguard_cpus, "other_cpus": other_cpus}
-    upstream = RecordingUpstream()
+    upstream = LeanUpstream()
     await upstream.start()
     port, metrics_port = free_port(), free_port()
     config = kvguard_config(port, metrics_port, ledger_url)
@@ -612,13 +647,13 @@ async def _bench(
                 bare.url,
                 guarded.url,
                 processes[0].pid,
-                upstream,
                 cpu_groups,
                 metrics_url if processor == "kvguard" else "",
             )
             results["allocator"] = allocator
             results["processor"] = processor
             results["ledger"] = ledger_url.partition(":")[0]
+            results["load_client"] = LOAD_CLIENT[0]
             results["kvguard_cpus"] = sorted(kvguard_cpus) if kvguard_cpus else "shared"
             if processor == "kvguard":  # the no-op in its place, on its port and CPU
                 processes[0].terminate()
@@ -630,7 +665,6 @@ async def _bench(
                     quick,
                     guarded.url,
                     processes[-1].pid,
-                    upstream,
                     cpu_groups,
                     results["capacity"],
                     bodies,
@@ -672,5 +706,12 @@ if __name__ == "__main__":
         default="memory",
         help="redis: a redis-server of its own on loopback, as replicas sharing a pool use",
     )
+    parser.add_argument(
+        "--load-client",
+        choices=["http1", "aiohttp"],
+        default="http1",
+        help="the load processes' HTTP client: bench/http_load.py (lean) or aiohttp's",
+    )
     args = parser.parse_args()
+    LOAD_CLIENT[0] = args.load_client
     uvloop.run(main(args.quick, args.allocator, args.share_cpus, args.processor, args.ledger))
