@@ -129,11 +129,24 @@ def connect(url: str, *, cluster: bool = False, timeout_s: float | None = None) 
     return aioredis.Redis.from_pool(pool)
 
 
+@dataclass
+class _QueuedReleases:
+    """Releases of one pool waiting for the release call in flight, to go in the next one."""
+
+    lease_ids: list[str]
+    sent: asyncio.Future[None]  # resolved when the call carrying them returns (or fails)
+
+
 class RedisLedger:
     """A Ledger on Redis or Redis Cluster, shared by every kvguard process of a deployment.
 
     `on_reset(pool)` is called when a pool's epoch changes under this process (Redis restarted
     empty, or was flushed): the process must then re-assert its open leases of that pool.
+
+    Releases are coalesced per pool: a release goes out at once when none of that pool is in
+    flight, and otherwise joins the next call, which carries every release that queued up
+    meanwhile. No release waits for more than one round trip, and under load one command
+    carries many (redis-py spends ~80 µs of CPU per command, whatever it carries).
     """
 
     def __init__(self, client: Any, *, on_reset: Callable[[str], None] | None = None) -> None:
@@ -148,6 +161,8 @@ class RedisLedger:
         self._scripts = {name: load_script(name) for name in SCRIPT_NAMES}
         self._epochs: dict[str, str] = {}
         self.on_reset = on_reset
+        self._queued_releases: dict[str, _QueuedReleases] = {}
+        self._releasing: dict[str, asyncio.Task[None]] = {}  # per pool, while calls are due
 
     @classmethod
     def from_url(
@@ -214,7 +229,37 @@ class RedisLedger:
         return Reservation(result, int(pool_reserved), int(tenant_reserved), lease)
 
     async def release(self, lease: Lease) -> None:
-        await self._run("release", pool_keys(lease.pool)[:4], (lease.lease_id,))
+        """Returns once a release call carrying this lease has returned; raises
+        LedgerUnavailable if that call could not reach Redis."""
+        queued = self._queued_releases.get(lease.pool)
+        if queued is None:
+            sent = asyncio.get_running_loop().create_future()
+            sent.add_done_callback(_retrieve)  # no warning when every waiter is gone
+            queued = self._queued_releases[lease.pool] = _QueuedReleases([], sent)
+            if lease.pool not in self._releasing:
+                task = asyncio.get_running_loop().create_task(self._send_releases(lease.pool))
+                self._releasing[lease.pool] = task
+        queued.lease_ids.append(lease.lease_id)
+        await asyncio.shield(queued.sent)
+
+    async def _send_releases(self, pool: str) -> None:
+        """One call per batch of queued releases of `pool`, until none is left."""
+        queued = None
+        try:
+            while (queued := self._queued_releases.pop(pool, None)) is not None:
+                try:
+                    await self._run("release", pool_keys(pool)[:4], queued.lease_ids)
+                except Exception as exc:
+                    queued.sent.set_exception(exc)
+                else:
+                    queued.sent.set_result(None)
+        except asyncio.CancelledError:  # the loop is shutting down: nothing more will be sent
+            for left in (queued, self._queued_releases.pop(pool, None)):
+                if left is not None and not left.sent.done():
+                    left.sent.set_exception(LedgerUnavailable("release cancelled"))
+            raise
+        finally:
+            del self._releasing[pool]
 
     async def renew(self, lease: Lease, lease_seconds: float) -> bool:
         renewed = await self._run(
@@ -276,4 +321,12 @@ class RedisLedger:
         return int(seconds) + int(micros) / 1e6
 
     async def close(self) -> None:
+        """Let the release calls under way finish (the client's timeouts bound them), then
+        close the connections."""
+        await asyncio.gather(*self._releasing.values(), return_exceptions=True)
         await self._client.aclose()
+
+
+def _retrieve(future: asyncio.Future[None]) -> None:
+    if not future.cancelled():
+        future.exception()

@@ -374,16 +374,54 @@ async def test_one_round_trip_per_admission_and_per_release(redis_ledger) -> Non
     assert "eval" not in stats and "script|load" not in stats, stats
 
 
-async def test_renewing_many_leases_is_one_call_per_pool(redis_ledger) -> None:
-    redis, ledger = redis_ledger
+async def _leases_in_two_pools(ledger: Ledger, n: int) -> list[Lease]:
+    """n leases of one block, alternately in pools p and q."""
     leases = []
-    for i in range(30):
+    for i in range(n):
         lease = (await ledger.reserve(claim(str(i), 1, pool="pq"[i % 2], quota=100))).lease
         assert lease is not None
         leases.append(lease)
+    return leases
+
+
+async def test_renewing_many_leases_is_one_call_per_pool(redis_ledger) -> None:
+    redis, ledger = redis_ledger
+    leases = await _leases_in_two_pools(ledger, 30)
     _reset_stats(redis)
     assert await ledger.reassert(leases, 30) == 0
     assert _commandstats(redis).get("evalsha") == 2
+
+
+async def test_releases_that_queue_up_go_in_one_call_per_pool(redis_ledger) -> None:
+    redis, ledger = redis_ledger
+    leases = await _leases_in_two_pools(ledger, 40)
+    _reset_stats(redis)
+    # Started together, every release queues before the first call goes out.
+    await asyncio.gather(*(ledger.release(lease) for lease in leases))
+    assert _commandstats(redis).get("evalsha") == 2
+    for pool in "pq":
+        usage = await ledger.usage(pool)
+        assert (usage.reserved, usage.leases, usage.tenants) == (0, 0, {})
+    _reset_stats(redis)
+    await asyncio.gather(*(ledger.release(lease) for lease in leases[:5]))  # idempotent
+    assert _commandstats(redis).get("evalsha") == 2
+    assert (await ledger.usage("p")).reserved == 0
+
+
+async def test_a_release_waits_for_the_call_in_flight_then_goes_in_the_next(
+    redis_ledger,
+) -> None:
+    redis, ledger = redis_ledger
+    first, second, third = [
+        (await ledger.reserve(claim(str(i), 5, quota=100))).lease for i in range(3)
+    ]
+    assert first is not None and second is not None and third is not None
+    _reset_stats(redis)
+    releasing = asyncio.ensure_future(ledger.release(first))
+    await asyncio.sleep(0)  # its call is on its way
+    await asyncio.gather(ledger.release(second), ledger.release(third), releasing)
+    assert _commandstats(redis).get("evalsha") == 2
+    assert (await ledger.usage("p")).reserved == 0
 
 
 async def test_a_redis_without_the_scripts_runs_them_anyway(redis_ledger) -> None:
@@ -425,5 +463,11 @@ async def test_redis_errors_are_fast_and_unavailable(tmp_path: Path) -> None:
         with pytest.raises(LedgerUnavailable):
             await ledger.reserve(claim("1", 10))
         assert time.monotonic() - started < 1.0
+        # Releases queued behind one another all learn that their call failed.
+        leases = [Lease(str(i), "p", "t", 1) for i in range(3)]
+        failed = await asyncio.gather(
+            *(ledger.release(lease) for lease in leases), return_exceptions=True
+        )
+        assert [type(e) for e in failed] == [LedgerUnavailable] * 3
     finally:
         await ledger.close()

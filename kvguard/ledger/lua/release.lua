@@ -1,8 +1,12 @@
--- release: give a lease's blocks back. Idempotent: an unknown or already released lease is a
--- no-op. No reclaim here, so that a release stays O(1).
+-- release: give leases' blocks back. Idempotent: an unknown or already released lease is a
+-- no-op. No reclaim here, so that a release stays O(leases).
 -- KEYS: leases, expiries, tenants, reserved of one pool (see lib.lua), hash-tagged {pool}.
--- ARGV[1] lease id.
--- Returns the blocks released (0 when the lease was not held).
+-- ARGV: the lease ids (releases that queued up behind each other are sent together).
+-- Returns the blocks released (0 when none of the leases was held).
 --#include lib.lua
 
-return drop(ARGV[1])
+local released = 0
+for i = 1, #ARGV do
+  released = released + drop(ARGV[i])
+end
+return released
