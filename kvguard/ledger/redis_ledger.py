@@ -48,8 +48,9 @@ CONNECT_TIMEOUT_S = 0.25
 # it waits this long for a free connection before it counts as "unavailable".
 MAX_CONNECTIONS = 64
 POOL_WAIT_S = 0.25
-# Leases per reassert/renew script call: long argument lists would make one call block Redis.
-ASSERT_CHUNK = 500
+# Leases per reassert or release script call: long argument lists would make one call block
+# Redis (and every replica with it).
+LEASES_PER_CALL = 500
 
 # One immediate retry, on a connection error only: a Redis that restarted leaves every pooled
 # connection broken, and the first use of each fails at once. Every script is idempotent (a
@@ -247,8 +248,11 @@ class RedisLedger:
         queued = None
         try:
             while (queued := self._queued_releases.pop(pool, None)) is not None:
+                ids = queued.lease_ids
                 try:
-                    await self._run("release", pool_keys(pool)[:4], queued.lease_ids)
+                    for start in range(0, len(ids), LEASES_PER_CALL):
+                        chunk = ids[start : start + LEASES_PER_CALL]
+                        await self._run("release", pool_keys(pool)[:4], chunk)
                 except Exception as exc:
                     queued.sent.set_exception(exc)
                 else:
@@ -269,15 +273,15 @@ class RedisLedger:
 
     async def reassert(self, leases: Iterable[Lease], lease_seconds: float) -> int:
         """Hold every lease (renewed, or recorded again without checks); one script call per
-        pool and ASSERT_CHUNK leases. Returns how many were recorded again."""
+        pool and LEASES_PER_CALL leases. Returns how many were recorded again."""
         by_pool: defaultdict[str, list[Lease]] = defaultdict(list)
         for lease in leases:
             by_pool[lease.pool].append(lease)
         added = 0
         for pool, held in by_pool.items():
-            for start in range(0, len(held), ASSERT_CHUNK):
+            for start in range(0, len(held), LEASES_PER_CALL):
                 args: list[Any] = [_ms(lease_seconds)]
-                for lease in held[start : start + ASSERT_CHUNK]:
+                for lease in held[start : start + LEASES_PER_CALL]:
                     args += [lease.lease_id, lease.tenant, lease.blocks]
                 count, _reserved, epoch = await self._run("reassert", pool_keys(pool), args)
                 added += int(count)

@@ -20,6 +20,7 @@ import pytest
 
 from kvguard.leases import LeaseKeeper
 from kvguard.ledger import Claim, Lease, Ledger, Outcome
+from kvguard.ledger import redis_ledger as redis_ledger_module
 from kvguard.ledger.memory import MemoryLedger
 from kvguard.ledger.redis_ledger import RedisLedger, load_script, pool_keys
 from kvguard.ledger.resilient import ResilientLedger, local_share
@@ -406,6 +407,18 @@ async def test_releases_that_queue_up_go_in_one_call_per_pool(redis_ledger) -> N
     await asyncio.gather(*(ledger.release(lease) for lease in leases[:5]))  # idempotent
     assert _commandstats(redis).get("evalsha") == 2
     assert (await ledger.usage("p")).reserved == 0
+
+
+async def test_a_long_queue_of_releases_goes_in_bounded_calls(
+    redis_ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    redis, ledger = redis_ledger
+    monkeypatch.setattr(redis_ledger_module, "LEASES_PER_CALL", 4)
+    leases = await _leases_in_two_pools(ledger, 20)
+    _reset_stats(redis)
+    await asyncio.gather(*(ledger.release(lease) for lease in leases))
+    assert _commandstats(redis).get("evalsha") == 2 * 3  # 10 leases a pool: 4 + 4 + 2
+    assert [(await ledger.usage(pool)).reserved for pool in "pq"] == [0, 0]
 
 
 async def test_a_release_waits_for_the_call_in_flight_then_goes_in_the_next(
