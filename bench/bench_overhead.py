@@ -26,7 +26,9 @@ Per prompt size and workload it prints and writes to bench-results/overhead.json
 5. the floor under kvguard's CPU: bench/noop_extproc.py (grpc.aio alone, every message answered
    at once) in kvguard's place, at each capacity point's request rate. What grpc.aio costs per
    request depends on the rate (the fewer requests, the fewer events each wake-up serves), so
-   it is measured at the rate kvguard sustained, not at the no-op's own capacity.
+   it is measured at the rate kvguard sustained, not at the no-op's own capacity;
+6. the floor under kvguard's added latency: the no-op at each latency point's rate and bodies,
+   against the bare Envoy measured there: what the gRPC round trips alone add.
 
 kvguard runs as a default install does: Prometheus metrics on, a JSON log line per decision
 (written to a file). Each point records how busy kvguard's CPU and the others were.
@@ -508,6 +510,42 @@ async def floor(
     return points
 
 
+async def floor_latency(
+    quick: bool,
+    guarded_url: str,
+    latency: list[dict[str, Any]],
+    bodies: dict[tuple[str, int], Bodies],
+) -> list[dict[str, Any]]:
+    """What the no-op processor adds to the latency at each of kvguard's latency points (same
+    bodies, same rate), against the bare Envoy measured there: the part of kvguard's added
+    latency that the gRPC round trips alone cost."""
+    points = []
+    for point in latency:
+        key = point["workload"], point["prompt_tokens"]
+        noop = await _client("open_loop", guarded_url, bodies[key], point["rate"], _seconds(quick))
+        bare = point["bare"]
+        added = {q: noop[f"{q}_ms"] - bare[f"{q}_ms"] for q in ("p50", "p99", "p999")}
+        points.append(
+            {
+                "workload": key[0],
+                "prompt_tokens": key[1],
+                "load_share": point["load_share"],
+                "rate": point["rate"],
+                "noop": noop,
+                **{f"added_{q}_ms": v for q, v in added.items()},
+            }
+        )
+        print(
+            f"{key[0]:>7} {key[1]:>5} tok {point['rate']:>5} req/s "
+            f"({point['load_share']:.0%}): grpc.aio no-op adds p50 {_ms(added['p50'])} p99 "
+            f"{_ms(added['p99'])} p99.9 {_ms(added['p999'])} ms (kvguard: "
+            f"{_ms(point['added_p50_ms'])} / {_ms(point['added_p99_ms'])} / "
+            f"{_ms(point['added_p999_ms'])}) | {noop['statuses']}",
+            flush=True,
+        )
+    return points
+
+
 def _bucket(result: dict[str, Any], quantile: str) -> str:
     return f"{result.get(f'decision_{quantile}_at_most_ms', float('nan')):g}"
 
@@ -668,6 +706,9 @@ async def _bench(
                     cpu_groups,
                     results["capacity"],
                     bodies,
+                )
+                results["floor_latency"] = await floor_latency(
+                    quick, guarded.url, results["latency"], bodies
                 )
     finally:
         for process in processes:
