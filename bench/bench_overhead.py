@@ -93,7 +93,7 @@ NONCE = "00000000"  # replaced by the request number: 8 digits, 8 tokens, whatev
 HISTORY_SHARE = 0.9  # of a `history` prompt's tokens, the part earlier requests already sent
 MIX_EVERY = 20  # saturation mix: one request in this many carries a 32k-token prompt
 Post = Callable[[bytes, int], Awaitable[int]]  # post(body, i) -> HTTP status
-LOAD_CLIENT = ["http1"]  # the load processes' HTTP client (--load-client)
+LOAD_CLIENT = "http1"  # the load processes' HTTP client (--load-client)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -203,9 +203,18 @@ def _summary(latencies: list[float], statuses: Counter[int], seconds: float) -> 
     }
 
 
-def _per_request_ms(cpu_seconds: float, latencies: list[float]) -> float:
+def _per_request_ms(seconds: float, requests: int) -> float:
     """The load process's own CPU per request: what it takes from the CPUs Envoy runs on."""
-    return cpu_seconds * 1000 / len(latencies) if latencies else float("nan")
+    return seconds * 1000 / requests if requests else float("nan")
+
+
+def _headers(i: int) -> dict[str, str]:
+    return {"content-type": "application/json", "x-tenant-id": f"t{i % 8}"}
+
+
+def _added(guarded: dict[str, Any], bare: dict[str, Any]) -> dict[str, float]:
+    """added_p50_ms, added_p99_ms, added_p999_ms: guarded minus bare."""
+    return {f"added_{q}_ms": guarded[f"{q}_ms"] - bare[f"{q}_ms"] for q in ("p50", "p99", "p999")}
 
 
 @contextlib.asynccontextmanager
@@ -216,8 +225,7 @@ async def _poster(url: str, load_client: str) -> AsyncIterator[Post]:
         lean = Http1Client(url)
 
         async def post_http1(body: bytes, i: int) -> int:
-            headers = {"content-type": "application/json", "x-tenant-id": f"t{i % 8}"}
-            return await lean.post("/v1/chat/completions", body, headers)
+            return await lean.post("/v1/chat/completions", body, _headers(i))
 
         try:
             yield post_http1
@@ -230,7 +238,7 @@ async def _poster(url: str, load_client: str) -> AsyncIterator[Post]:
             async with http.post(
                 url + "/v1/chat/completions",
                 data=body,
-                headers={"content-type": "application/json", "x-tenant-id": f"t{i % 8}"},
+                headers=_headers(i),
             ) as response:
                 await response.read()
                 return response.status
@@ -260,7 +268,8 @@ async def open_loop(
             tasks.append(asyncio.create_task(one(i)))
         await asyncio.gather(*tasks)
     result = _summary(latencies, statuses, seconds)
-    result["client_cpu_ms_per_request"] = _per_request_ms(time.process_time() - cpu0, latencies)
+    cpu = time.process_time() - cpu0
+    result["client_cpu_ms_per_request"] = _per_request_ms(cpu, len(latencies))
     return result
 
 
@@ -294,7 +303,7 @@ async def closed_loop(
         await asyncio.gather(*(stream() for _ in range(CONCURRENCY)))
         elapsed = time.perf_counter() - t0
     result = _summary(*kinds["small"], elapsed)
-    requests = kinds["small"][0] + kinds["large"][0]
+    requests = sum(len(latencies) for latencies, _ in kinds.values())
     result["client_cpu_ms_per_request"] = _per_request_ms(time.process_time() - cpu0, requests)
     if large is not None:
         result["large"] = _summary(*kinds["large"], elapsed)
@@ -313,7 +322,7 @@ def in_subprocess(call: str, *args: Any) -> dict[str, Any]:
         "from bench.bench_overhead import Bodies, open_loop, closed_loop; "
         "args = [Bodies.from_spec(a) if isinstance(a, list) else a "
         "for a in json.loads(sys.stdin.read())]; "
-        f"print(json.dumps(uvloop.run({call}(*args, load_client={LOAD_CLIENT[0]!r}))))"
+        f"print(json.dumps(uvloop.run({call}(*args, load_client={LOAD_CLIENT!r}))))"
     )
     out = subprocess.run([sys.executable, "-c", code], input=spec, capture_output=True, text=True)
     if out.returncode != 0:
@@ -371,9 +380,6 @@ async def run(
         "saturation_mix": {},
     }
 
-    async def client(call: str, *args: Any) -> dict[str, Any]:
-        return await _client(call, *args)
-
     async def measured(call: str, *args: Any) -> tuple[dict[str, Any], float]:
         return await _measured(kvguard_pid, cpu_groups, call, *args, metrics=metrics_url)
 
@@ -381,7 +387,7 @@ async def run(
         for tokens in (100, 1000):
             bodies = Bodies(calibrated_body(tokenizer, tokens, workload))
             capacity_bodies[workload, tokens] = bodies
-            await client("closed_loop", guarded_url, bodies, 1.0)
+            await _client("closed_loop", guarded_url, bodies, 1.0)
             sat, cpu = await measured("closed_loop", guarded_url, bodies, seconds)
             per_core = sat["requests"] / cpu
             results["capacity"].append(
@@ -402,7 +408,7 @@ async def run(
             )
             for share in LOAD_SHARES:
                 rate = round(share * sat["per_s"])
-                bare = await client("open_loop", bare_url, bodies, rate, seconds)
+                bare = await _client("open_loop", bare_url, bodies, rate, seconds)
                 guarded, cpu = await measured("open_loop", guarded_url, bodies, rate, seconds)
                 point = {
                     "workload": workload,
@@ -411,9 +417,7 @@ async def run(
                     "rate": rate,
                     "bare": bare,
                     "guarded": guarded,
-                    "added_p50_ms": guarded["p50_ms"] - bare["p50_ms"],
-                    "added_p99_ms": guarded["p99_ms"] - bare["p99_ms"],
-                    "added_p999_ms": guarded["p999_ms"] - bare["p999_ms"],
+                    **_added(guarded, bare),
                     "kvguard_cpu_ms_per_request": cpu * 1000 / guarded["requests"],
                 }
                 results["latency"].append(point)
@@ -431,27 +435,21 @@ async def run(
     large_bodies = {}
     for tokens in (8000, 32000):
         bodies = large_bodies[tokens] = Bodies(calibrated_body(tokenizer, tokens, "unique"))
-        bare = await client("open_loop", bare_url, bodies, 4.0, seconds)
-        guarded = await client("open_loop", guarded_url, bodies, 4.0, seconds)
-        added = guarded["p50_ms"] - bare["p50_ms"], guarded["p99_ms"] - bare["p99_ms"]
+        bare = await _client("open_loop", bare_url, bodies, 4.0, seconds)
+        guarded = await _client("open_loop", guarded_url, bodies, 4.0, seconds)
+        added = _added(guarded, bare)
         results["large"].append(
-            {
-                "prompt_tokens": tokens,
-                "rate": 4.0,
-                "bare": bare,
-                "guarded": guarded,
-                "added_p50_ms": added[0],
-                "added_p99_ms": added[1],
-            }
+            {"prompt_tokens": tokens, "rate": 4.0, "bare": bare, "guarded": guarded, **added}
         )
         print(
             f"unique {tokens:>6} tok     4 req/s: guarded p50 {_ms(guarded['p50_ms'])} p99 "
-            f"{_ms(guarded['p99_ms'])} | added p50 {_ms(added[0])} p99 {_ms(added[1])} ms | "
+            f"{_ms(guarded['p99_ms'])} | added p50 {_ms(added['added_p50_ms'])} p99 "
+            f"{_ms(added['added_p99_ms'])} ms | "
             f"{guarded['statuses']}",
             flush=True,
         )
     small = Bodies(calibrated_body(tokenizer, 1000, "unique"))
-    mix = await client("closed_loop", guarded_url, small, seconds, large_bodies[32000])
+    mix = await _client("closed_loop", guarded_url, small, seconds, large_bodies[32000])
     results["saturation_mix"] = mix
     timeouts = mix["statuses"].get("504", 0) + mix["large"]["statuses"].get("504", 0)
     print(
@@ -523,8 +521,7 @@ async def floor_latency(
     for point in latency:
         key = point["workload"], point["prompt_tokens"]
         noop = await _client("open_loop", guarded_url, bodies[key], point["rate"], _seconds(quick))
-        bare = point["bare"]
-        added = {q: noop[f"{q}_ms"] - bare[f"{q}_ms"] for q in ("p50", "p99", "p999")}
+        added = _added(noop, point["bare"])
         points.append(
             {
                 "workload": key[0],
@@ -532,13 +529,13 @@ async def floor_latency(
                 "load_share": point["load_share"],
                 "rate": point["rate"],
                 "noop": noop,
-                **{f"added_{q}_ms": v for q, v in added.items()},
+                **added,
             }
         )
         print(
             f"{key[0]:>7} {key[1]:>5} tok {point['rate']:>5} req/s "
-            f"({point['load_share']:.0%}): grpc.aio no-op adds p50 {_ms(added['p50'])} p99 "
-            f"{_ms(added['p99'])} p99.9 {_ms(added['p999'])} ms (kvguard: "
+            f"({point['load_share']:.0%}): grpc.aio no-op adds p50 {_ms(added['added_p50_ms'])} "
+            f"p99 {_ms(added['added_p99_ms'])} p99.9 {_ms(added['added_p999_ms'])} ms (kvguard: "
             f"{_ms(point['added_p50_ms'])} / {_ms(point['added_p99_ms'])} / "
             f"{_ms(point['added_p999_ms'])}) | {noop['statuses']}",
             flush=True,
@@ -691,7 +688,7 @@ async def _bench(
             results["allocator"] = allocator
             results["processor"] = processor
             results["ledger"] = ledger_url.partition(":")[0]
-            results["load_client"] = LOAD_CLIENT[0]
+            results["load_client"] = LOAD_CLIENT
             results["kvguard_cpus"] = sorted(kvguard_cpus) if kvguard_cpus else "shared"
             if processor == "kvguard":  # the no-op in its place, on its port and CPU
                 processes[0].terminate()
@@ -754,5 +751,5 @@ if __name__ == "__main__":
         help="the load processes' HTTP client: bench/http_load.py (lean) or aiohttp's",
     )
     args = parser.parse_args()
-    LOAD_CLIENT[0] = args.load_client
+    LOAD_CLIENT = args.load_client
     uvloop.run(main(args.quick, args.allocator, args.share_cpus, args.processor, args.ledger))

@@ -244,8 +244,8 @@ class RedisLedger:
         await asyncio.shield(queued.sent)
 
     async def _send_releases(self, pool: str) -> None:
-        """One call per batch of queued releases of `pool`, until none is left."""
-        queued = None
+        """One call per batch of queued releases of `pool`, until none is left. Nothing cancels
+        it: close() waits for it, and only the loop's own shutdown cancels it (and its waiters)."""
         try:
             while (queued := self._queued_releases.pop(pool, None)) is not None:
                 ids = queued.lease_ids
@@ -257,11 +257,6 @@ class RedisLedger:
                     queued.sent.set_exception(exc)
                 else:
                     queued.sent.set_result(None)
-        except asyncio.CancelledError:  # the loop is shutting down: nothing more will be sent
-            for left in (queued, self._queued_releases.pop(pool, None)):
-                if left is not None and not left.sent.done():
-                    left.sent.set_exception(LedgerUnavailable("release cancelled"))
-            raise
         finally:
             del self._releasing[pool]
 

@@ -48,7 +48,7 @@ async def test_requests_reuse_one_connection_to_the_lean_upstream() -> None:
         async with client_of(f"http://127.0.0.1:{upstream.port}") as client:
             statuses = [await client.post("/v1/chat/completions", b"{}", {}) for _ in range(3)]
             assert statuses == [200, 200, 200]
-            assert len(client._all) == 1
+            assert len(client.opened) == 1
     finally:
         await upstream.stop()
 
@@ -66,7 +66,7 @@ async def test_a_chunked_response_with_trailers_is_read_whole_across_writes() ->
     async with serving(answer) as url, client_of(url) as client:
         assert await client.post("/", b"x", {}) == 429
         assert await client.post("/", b"y", {}) == 429  # the buffer held nothing more
-        assert len(client._all) == 1
+        assert len(client.opened) == 1
 
 
 async def test_connection_close_is_honoured() -> None:
@@ -76,7 +76,7 @@ async def test_connection_close_is_honoured() -> None:
     async with serving(answer) as url, client_of(url) as client:
         assert await client.post("/", b"", {}) == 200
         assert await client.post("/", b"", {}) == 200
-        assert len(client._all) == 2
+        assert len(client.opened) == 2
 
 
 async def test_a_response_without_a_length_is_an_error() -> None:
