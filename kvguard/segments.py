@@ -16,13 +16,14 @@ here): the caller then tokenizes whole texts, as before.
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 from collections import OrderedDict
 from typing import Any
 
 from tokenizers import Tokenizer
+
+from kvguard.pretokens import PreTokenCounter, component_state
 
 # Normalizers and pre-tokenizers that act on each segment alone, whatever precedes it. Every
 # normalizer does; pre-tokenizers too, but Metaspace with prepend_scheme "first" (which
@@ -79,6 +80,8 @@ class SegmentCounter:
         self._added_by_post_processor = (
             processor.num_special_tokens_to_add(False) if processor is not None else 0
         )
+        # Segments of common text are counted by pre-tokens where the tokenizer allows it.
+        self._pre_tokens = PreTokenCounter.for_tokenizer(tokenizer)
         self._counts: OrderedDict[str, int] = OrderedDict()
         self._cached_chars = 0
         self._max_cached_chars = max_cached_chars
@@ -92,8 +95,7 @@ class SegmentCounter:
         counting the whole text."""
         if tokenizer.encode_special_tokens:
             return None
-        config = json.loads(tokenizer.to_str())
-        if not _segment_local(config.get("pre_tokenizer")):
+        if not _segment_local(component_state(tokenizer.pre_tokenizer)):
             return None
         splitting = [t for t in tokenizer.get_added_tokens_decoder().values() if not t.normalized]
         if not splitting or any(t.lstrip or t.rstrip or t.single_word for t in splitting):
@@ -128,9 +130,12 @@ class SegmentCounter:
         return total
 
     def _tokenize(self, segments: list[str]) -> list[int]:
+        counter = self._pre_tokens
+        known = [counter.count(s) if counter else None for s in segments]
+        rest = [s for s, c in zip(segments, known, strict=True) if c is None]
         # encode_batch_fast: no offsets kept (only lengths are needed), and the GIL released.
-        encodings = self._tokenizer.encode_batch_fast(segments, add_special_tokens=False)
-        return [len(e) for e in encodings]
+        encoded = iter(self._tokenizer.encode_batch_fast(rest, add_special_tokens=False))
+        return [len(next(encoded)) if c is None else c for c in known]
 
     def _remember(self, counted: dict[str, int]) -> None:
         with self._lock:
