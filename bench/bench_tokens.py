@@ -3,6 +3,8 @@
 For chat prompts of about 100, 1k, 8k and 32k Qwen tokens it prints:
 - counting throughput (tokens/s) of `count_prompts` on one thread, for text never counted
   before (`new`) and for the same requests again (`seen`: kvguard.segments remembers them);
+  the prompts are English, Chinese and code (text kvguard.pretokens counts by pre-tokens),
+  and `other` is new text with Korean and Japanese kana in it (what tokenizers alone counts);
 - decision latency p50/p99 for text never counted before, alone (one request at a time) and
   concurrent (--concurrency streams in flight, closed loop), measured two ways, both in this
   process:
@@ -58,9 +60,11 @@ SIZES = {"100": 100, "1k": 1_000, "8k": 8_000, "32k": 32_000}
 PROSE = (
     "the quick brown fox jumps over a lazy dog while engineers measure latency across kv cache "
     "blocks tenants quotas admission control vLLM Envoy gRPC stream token budget 数据 中心 模型 "
-    "推理 東京 서울 naïve façade 42 3.14 2025 def return print(x) {json: true}"
+    "推理 東京 北京 naïve façade 42 3.14 2025 def return print(x) {json: true}"
 )
 WORDS = PROSE.split()
+# Words outside kvguard.pretokens.DOMAIN: a prompt holding them is counted by tokenizers alone.
+OTHER_WORDS = [*WORDS, "서울", "トークン"]
 
 
 def config(tmp: Path) -> Path:
@@ -82,14 +86,16 @@ def config(tmp: Path) -> Path:
     return path
 
 
-def bodies(tokenizer: PoolTokenizer, tokens: int, count: int, seed: int) -> list[bytes]:
+def bodies(
+    tokenizer: PoolTokenizer, tokens: int, count: int, seed: int, words: list[str] = WORDS
+) -> list[bytes]:
     """`count` chat bodies whose rendered prompt has about `tokens` Qwen tokens each."""
     rng = random.Random(seed)
-    probe = " ".join(rng.choice(WORDS) for _ in range(2000))
+    probe = " ".join(rng.choice(words) for _ in range(2000))
     per_word = tokenizer.count(probe, False) / 2000
     out = []
     for _ in range(count):
-        text = " ".join(rng.choice(WORDS) for _ in range(max(1, int((tokens - 10) / per_word))))
+        text = " ".join(rng.choice(words) for _ in range(max(1, int((tokens - 10) / per_word))))
         out.append(json.dumps({"model": "qwen", "messages": [{"role": "user", "content": text}]}))
     return [b.encode() for b in out]
 
@@ -120,15 +126,17 @@ def summary(
     }
 
 
-def throughput(tokenizer: PoolTokenizer, raw: list[bytes]) -> dict[str, Any]:
-    """count_prompts on one thread: tokens/s for new text, then for the same text again."""
+def throughput(tokenizer: PoolTokenizer, raw: list[bytes], other: list[bytes]) -> dict[str, Any]:
+    """count_prompts on one thread: tokens/s for new text, then for the same text again; and
+    for new text of other scripts."""
     out: dict[str, Any] = {}
-    requests = [parse("chat", b) for b in raw]
-    for name in ("new", "seen"):
+    for name, batch in (("new", raw), ("seen", raw), ("other_new", other)):
+        requests = [parse("chat", b) for b in batch]
         start = time.perf_counter()
         tokens = sum(sum(count_prompts(tokenizer, r)) for r in requests)
         out[f"{name}_tokens_per_s"] = round(tokens / (time.perf_counter() - start))
-    out["tokens_per_request"] = round(tokens / len(requests))
+        if name == "new":
+            out["tokens_per_request"] = round(tokens / len(requests))
     out["body_bytes"] = round(statistics.mean(len(b) for b in raw))
     return out
 
@@ -247,7 +255,8 @@ async def main(quick: bool, concurrency: int) -> None:
         try:
             for size, tokens in SIZES.items():
                 raw = bodies(tokenizer, tokens, counts[size], seed=tokens)
-                row: dict[str, Any] = {"count": throughput(tokenizer, raw)}
+                other = bodies(tokenizer, tokens, counts[size], tokens + 1, OTHER_WORDS)
+                row: dict[str, Any] = {"count": throughput(tokenizer, raw, other)}
                 for way, send in senders.items():
                     await closed_loop(send, raw[:5], 1)  # warm up
                     row[f"{way}_alone"] = await closed_loop(send, raw, 1)
@@ -283,7 +292,8 @@ def print_row(size: str, row: dict[str, Any]) -> None:
     print(
         f"{size:>4} tokens ({c['tokens_per_request']} tok, {c['body_bytes']} B): count "
         f"{c['new_tokens_per_s']:,} tok/s new text, "
-        f"{c['seen_tokens_per_s']:,} tok/s seen before"
+        f"{c['seen_tokens_per_s']:,} tok/s seen before, "
+        f"{c['other_new_tokens_per_s']:,} tok/s new text of other scripts"
     )
     for key in ("decide_alone", "decide_concurrent", "protocol_alone", "protocol_concurrent"):
         r = row[key]
