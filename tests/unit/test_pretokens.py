@@ -143,6 +143,19 @@ def test_a_tokenizer_that_fails_the_self_check_gets_no_counter(
     assert "self-check texts count differently" in caplog.text
 
 
+def test_mostly_new_text_is_counted_whole_and_each_pre_token_learned_from_it() -> None:
+    counter = PreTokenCounter.for_tokenizer(QWEN)
+    assert counter is not None
+    text = "Zyxw qvbn'Ll 987 ¿Qué? — flarn\n\n\tglorp  snib"
+    pieces = counter._findall(text)
+    assert counter.count(text) == len(QWEN.encode(text, add_special_tokens=False))
+    assert counter.remembered == len(set(pieces))  # every pre-token, from one encode
+    # One new pre-token among known ones: counted alone.
+    again = text + " blorf"
+    assert counter.count(again) == len(QWEN.encode(again, add_special_tokens=False))
+    assert counter.remembered == len(set(pieces)) + 1
+
+
 def test_the_memory_is_emptied_past_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pretokens, "MAX_PRE_TOKENS", 5)
     counter = PreTokenCounter.for_tokenizer(QWEN)
