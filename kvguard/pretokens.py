@@ -30,7 +30,8 @@ import random
 import re
 import unicodedata
 from collections import Counter
-from typing import Any
+from itertools import accumulate
+from typing import Any, cast
 
 from tokenizers import Tokenizer
 
@@ -276,16 +277,25 @@ class PreTokenCounter:
         return sum(c if c is not None else counted[p] for p, c in zip(pieces, counts, strict=True))
 
     def _count_whole(self, segment: str, pieces: list[str]) -> int:
-        """The segment counted by tokenizers in one call, each pre-token's share remembered:
-        the tokens of word i (tokenizers' word ids are its pre-tokens) belong to pieces[i]."""
+        """The segment counted by tokenizers in one call, each pre-token's count remembered from
+        it: tokenizers' word ids are its own pre-tokens, and each token's offsets must lie
+        within pieces[word] (the regex here cut where tokenizers did), or nothing is learnt."""
         (encoding,) = self._tokenizer.encode_batch([segment], add_special_tokens=False)
-        words = Counter(encoding.word_ids)
-        if None not in words and set(words) == set(range(len(pieces))):
-            counted: dict[str, int] = {}
-            for word, piece in enumerate(pieces):
-                if counted.setdefault(piece, words[word]) != words[word]:
-                    return len(encoding)  # not one count per pre-token: learn nothing
-            self._remember(counted)
+        if None in encoding.word_ids:
+            return len(encoding)
+        words = cast(list[int], encoding.word_ids)
+        tally = Counter(words)
+        if set(tally) != set(range(len(pieces))):
+            return len(encoding)
+        ends = list(accumulate(map(len, pieces)))
+        for (start, end), word in zip(encoding.offsets, words, strict=True):
+            if start < ends[word] - len(pieces[word]) or end > ends[word]:
+                return len(encoding)
+        counted: dict[str, int] = {}
+        for word, piece in enumerate(pieces):
+            if counted.setdefault(piece, tally[word]) != tally[word]:
+                return len(encoding)  # one pre-token, two counts: learn nothing
+        self._remember(counted)
         return len(encoding)
 
     def _remember(self, counted: dict[str, int]) -> None:
@@ -293,11 +303,22 @@ class PreTokenCounter:
             self._counts.clear()
         self._counts.update(counted)
 
+    def spans(self, text: str) -> list[tuple[int, int]]:
+        """Where this counter cuts `text` into pre-tokens (character offsets)."""
+        ends = list(accumulate(map(len, self._findall(text))))
+        return list(zip([0, *ends], ends, strict=False))  # (0, e0), (e0, e1), ...
+
     def disagreements(self, texts: list[str]) -> list[str]:
-        """The texts whose count here differs from tokenizers' own (all are counted, and
-        remembered)."""
+        """The texts that this counter cuts elsewhere than tokenizers' own pre-tokenizer does,
+        or counts differently from tokenizers (all are counted, and remembered)."""
+        pre_tokenizer = self._tokenizer.pre_tokenizer
         expected = self._tokenizer.encode_batch_fast(texts, add_special_tokens=False)
-        return [t for t, e in zip(texts, expected, strict=True) if self.count(t) != len(e)]
+        return [
+            text
+            for text, encoding in zip(texts, expected, strict=True)
+            if self.spans(text) != [span for _, span in pre_tokenizer.pre_tokenize_str(text)]
+            or self.count(text) != len(encoding)
+        ]
 
 
 _FRAGMENTS = (

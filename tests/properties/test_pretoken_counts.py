@@ -1,4 +1,4 @@
-"""Counting by pre-tokens equals tokenizers' own count (kvguard.pretokens).
+"""Counting by pre-tokens cuts where tokenizers cuts and equals its count (kvguard.pretokens).
 
 The real Qwen and Llama 3.2 tokenizers, against their own encode, on texts drawn from every
 character of the domain where counting by pre-tokens applies, weighted towards what their regexes
@@ -55,6 +55,8 @@ def test_both_tokenizers_are_counted_by_pre_tokens(name: str) -> None:
 def test_pre_token_counts_equal_the_tokenizers_count(name: str, text: str) -> None:
     counter = COUNTERS[name]
     assert counter is not None
+    cuts = [span for _, span in TOKENIZERS[name].pre_tokenizer.pre_tokenize_str(text)]
+    assert counter.spans(text) == cuts, repr(text)  # cut exactly where tokenizers cuts
     first = counter.count(text)
     assert first is not None, repr(text)  # domain text, well under the length bound
     assert first == library(name, text), repr(text)

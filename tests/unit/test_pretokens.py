@@ -156,6 +156,13 @@ def test_mostly_new_text_is_counted_whole_and_each_pre_token_learned_from_it() -
     assert counter.remembered == len(set(pieces)) + 1
 
 
+def test_nothing_is_learnt_from_a_whole_segment_cut_elsewhere_than_tokenizers_cut_it() -> None:
+    # As many pieces as Qwen's pre-tokens ("ab", " cd"), but cut after the space: "ab ", "cd".
+    counter = PreTokenCounter(QWEN, re.compile(r"\S+\s?|\s+"))
+    assert counter.count("ab cd") == len(QWEN.encode("ab cd", add_special_tokens=False))
+    assert counter.remembered == 0
+
+
 def test_the_memory_is_emptied_past_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pretokens, "MAX_PRE_TOKENS", 5)
     counter = PreTokenCounter.for_tokenizer(QWEN)
