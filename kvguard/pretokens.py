@@ -18,8 +18,9 @@ common emoji) that NFC leaves unchanged. On such text `\p{L}` and `\p{N}` are ex
 `\s` is space, tab, LF and CR, and Oniguruma (which tokenizers uses) and `re` are both
 backtracking engines with leftmost-first alternation. Any other text, any regex construct not
 translated here, and any other normalizer or pre-tokenizer are counted by tokenizers as before:
-`PreTokenCounter.for_tokenizer` returns None, or `count` returns None. A tokenizer whose counts
-differ from tokenizers' own on a fixed corpus of awkward texts at load gets no counter at all.
+`PreTokenCounter.for_tokenizer` returns None, or `count` returns None. A tokenizer whose cuts or
+counts differ from its own pre-tokenizer's and encode's on a fixed corpus of awkward texts at
+load gets no counter at all.
 """
 
 from __future__ import annotations
