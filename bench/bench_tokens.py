@@ -12,6 +12,8 @@ For chat prompts of about 100, 1k, 8k and 32k Qwen tokens it prints:
   `protocol` = the full ext_proc round trip over real gRPC to the in-process Service, from
                writing the body message to reading its answer (client and server share one
                event loop, so the client's own work is included);
+- the worst case of counting by pre-tokens: texts of random letters, whose every pre-token is
+  new, counted by kvguard.pretokens (new, then again) against tokenizers alone;
 - a mixed load: the latency of 100, 1k and 3k-token requests, one at a time, while two streams
   keep sending 32k-token prompts, for several inline thresholds
   (kvguard.counting.INLINE_BODY_BYTES): how the threshold was chosen.
@@ -28,6 +30,7 @@ import itertools
 import json
 import random
 import statistics
+import string
 import sys
 import tempfile
 import time
@@ -39,6 +42,7 @@ from typing import Any
 import grpc
 import uvloop
 import yaml
+from tokenizers import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -52,10 +56,12 @@ from kvguard import counting  # noqa: E402
 from kvguard.admission import Decision  # noqa: E402
 from kvguard.counting import count_prompts  # noqa: E402
 from kvguard.errors import Refusal  # noqa: E402
+from kvguard.pretokens import PreTokenCounter  # noqa: E402
 from kvguard.request import parse  # noqa: E402
 from kvguard.server import Service  # noqa: E402
 from kvguard.tokenizer import PoolTokenizer  # noqa: E402
 
+QWEN = ROOT / ".cache" / "models" / "qwen"
 SIZES = {"100": 100, "1k": 1_000, "8k": 8_000, "32k": 32_000}
 PROSE = (
     "the quick brown fox jumps over a lazy dog while engineers measure latency across kv cache "
@@ -71,7 +77,7 @@ def config(tmp: Path) -> Path:
     pool = {
         "name": "qwen",
         "models": ["qwen"],
-        "tokenizer": str(ROOT / ".cache" / "models" / "qwen"),
+        "tokenizer": str(QWEN),
         "max_model_len": 40_000,
         "capacity": {"blocks": 10_000_000, "block_size": 16},
     }
@@ -139,6 +145,34 @@ def throughput(tokenizer: PoolTokenizer, raw: list[bytes], other: list[bytes]) -
             out["tokens_per_request"] = round(tokens / len(requests))
     out["body_bytes"] = round(statistics.mean(len(b) for b in raw))
     return out
+
+
+def all_new_pre_tokens(count: int, words: int = 800) -> dict[str, float]:
+    """ms per text of random letters (every pre-token new): tokenizers alone, then
+    kvguard.pretokens counting them new (learning each one) and again."""
+    tokenizer = Tokenizer.from_file(str(QWEN / "tokenizer.json"))
+    counter = PreTokenCounter.for_tokenizer(tokenizer)
+    assert counter is not None
+    rng = random.Random(5)
+    texts = [
+        " ".join(
+            "".join(rng.choice(string.ascii_letters) for _ in range(rng.randint(3, 10)))
+            for _ in range(words)
+        )
+        for _ in range(count)
+    ]
+
+    def ms_per_text(count_one: Callable[[str], object]) -> float:
+        start = time.perf_counter()
+        for text in texts:
+            count_one(text)
+        return round((time.perf_counter() - start) * 1e3 / len(texts), 2)
+
+    return {
+        "tokenizers_ms": ms_per_text(lambda t: tokenizer.encode_batch_fast([t])),
+        "pre_tokens_new_ms": ms_per_text(counter.count),
+        "pre_tokens_again_ms": ms_per_text(counter.count),
+    }
 
 
 # One request: its outcome ("admitted" or the refusal code), prompt tokens and decision seconds.
@@ -263,6 +297,12 @@ async def main(quick: bool, concurrency: int) -> None:
                     row[f"{way}_concurrent"] = await closed_loop(send, raw, concurrency)
                 results["sizes"][size] = row
                 print_row(size, row)
+            worst = results["all_new_pre_tokens"] = all_new_pre_tokens(10 if quick else 30)
+            print(
+                f"random letters, 800 words: tokenizers {worst['tokenizers_ms']} ms, by "
+                f"pre-tokens {worst['pre_tokens_new_ms']} ms new, "
+                f"{worst['pre_tokens_again_ms']} ms again"
+            )
             small = bodies(tokenizer, 100, 100 if quick else 300, seed=1)
             medium = bodies(tokenizer, 1_000, 50 if quick else 150, seed=2)
             medium3 = bodies(tokenizer, 3_000, 30 if quick else 100, seed=4)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import Any, cast
 
 from tokenizers import Tokenizer
 
@@ -133,6 +133,8 @@ class SegmentCounter:
         counter = self._pre_tokens
         known = [counter.count(s) if counter else None for s in segments]
         rest = [s for s, c in zip(segments, known, strict=True) if c is None]
+        if not rest:  # all counted by pre-tokens: no call into tokenizers (and no GIL handoff)
+            return cast(list[int], known)
         # encode_batch_fast: no offsets kept (only lengths are needed), and the GIL released.
         encoded = iter(self._tokenizer.encode_batch_fast(rest, add_special_tokens=False))
         return [len(next(encoded)) if c is None else c for c in known]

@@ -17,6 +17,7 @@ from kvguard.pretokens import (
     PreTokenCounter,
     domain_pattern,
 )
+from kvguard.segments import SegmentCounter
 from tests.conftest import model_dir
 
 QWEN = Tokenizer.from_file(str(model_dir("qwen") / "tokenizer.json"))
@@ -133,6 +134,31 @@ def test_a_gpt2_style_byte_level_tokenizer_gets_a_counter() -> None:
     assert counter.count("naïve café's 42") == len("naïve café's 42".encode())  # a token a byte
 
 
+QWEN_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+@pytest.mark.parametrize(
+    ("mutant", "original"),
+    [
+        (r"\s+|", r"\s+(?!\S)|"),  # the lookahead gone
+        (r"|\p{N}+|", r"|\p{N}|"),  # digit runs as one pre-token
+        ("(?:", "(?i:"),  # contractions in lowercase only
+        (r"|\s+", r"|\s*[\r\n]+|\s+"),  # newline runs gone
+    ],
+)
+def test_the_self_check_catches_a_pattern_that_differs_by_one_construct(
+    mutant: str, original: str
+) -> None:
+    # The unchanged pattern passes: Qwen gets a counter (test_a_qwen_count_... below).
+    assert QWEN_PATTERN.count(original) == 1
+    pattern = domain_pattern(QWEN_PATTERN.replace(original, mutant))
+    assert pattern is not None
+    assert PreTokenCounter(QWEN, pattern).disagreements(pretokens.self_check_texts())
+
+
 def test_a_tokenizer_that_fails_the_self_check_gets_no_counter(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -172,3 +198,17 @@ def test_the_memory_is_emptied_past_its_bound(monkeypatch: pytest.MonkeyPatch) -
     assert counter.remembered == 7  # emptied first, then this text's seven
     assert counter.count("eight") == 1
     assert counter.remembered == 1
+
+
+def test_segments_of_common_text_are_counted_by_pre_tokens_and_others_by_tokenizers() -> None:
+    segments = SegmentCounter.for_tokenizer(QWEN)
+    assert segments is not None
+    pre_tokens = segments._pre_tokens
+    assert pre_tokens is not None
+    common = "<|im_start|>user\nThe request's prompt, naïve café — 数据.<|im_end|>"
+    assert segments.count(common, False) == len(QWEN.encode(common, add_special_tokens=False))
+    learnt = pre_tokens.remembered
+    assert learnt > 0  # its segments went through the pre-token counter
+    other = "<|im_start|>user\n서울 トークン<|im_end|>"
+    assert segments.count(other, False) == len(QWEN.encode(other, add_special_tokens=False))
+    assert pre_tokens.remembered == learnt  # outside the domain: tokenizers counted it
