@@ -5,8 +5,8 @@ every message to the thread that polls the completion queue, which wakes the eve
 one CPU a sidecar has, each handoff is a context switch. With these two EventEngine experiments
 off, the polling thread does the I/O itself, as grpcio did before 1.80. Measured through Envoy
 at capacity, 1k-token requests of new text: context switches per request 30.8 -> 20.7, the
-kernel's share of kvguard's CPU 32 % -> 25 %, kvguard's CPU per request ~5 % less (README,
-"What it costs").
+kernel's share of kvguard's CPU 32 % -> 25 %, kvguard's CPU per request ~5 % less (~7 % for
+100-token requests; README, "What it costs").
 
 The experiments exist until gRPC removes them; tests/integration/test_grpc_io.py checks that
 the pinned grpcio still honours them. A GRPC_EXPERIMENTS already in the environment wins.
