@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
 import signal
@@ -26,6 +25,7 @@ from kvguard.ledger.resilient import ResilientLedger
 from kvguard.ledger.url import from_url
 from kvguard.metrics import Metrics
 from kvguard.reload import PolicyWatcher
+from kvguard.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -161,11 +161,7 @@ class Service:
             await self.keeper.release_all()
             log.info("drained; %d leases still open were released", open_leases)
         finally:
-            for task in self._tasks:
-                task.cancel()
-            for task in self._tasks:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await cancel_and_wait(self._tasks)
             self.counter.close()
             await self.ledger.close()
             # Off the loop: the final export may wait on the network.

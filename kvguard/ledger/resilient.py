@@ -26,7 +26,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable
@@ -42,6 +41,7 @@ from kvguard.ledger import (
 )
 from kvguard.ledger.memory import MemoryLedger
 from kvguard.ledger.redis_ledger import RedisLedger
+from kvguard.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -196,12 +196,7 @@ class ResilientLedger:
         self._watch()
 
     async def close(self) -> None:
-        tasks = [t for t in (self._watcher, *self._tasks) if t is not None]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait([t for t in (self._watcher, *self._tasks) if t is not None])
         self._watcher = None
         await self.primary.close()
 
