@@ -73,6 +73,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.http_load import Http1Client, LeanUpstream  # noqa: E402
+from kvguard import grpc_io  # noqa: E402
 from kvguard.testing import free_port  # noqa: E402
 from kvguard.testing.envoy import (  # noqa: E402
     EXT_PROC_FILTER,
@@ -654,7 +655,8 @@ async def _bench(
         return subprocess.Popen(
             argv,
             stderr=(work / log).open("wb"),
-            env=env,
+            # The no-op's gRPC does its I/O as kvguard's does (kvguard serve sets its own).
+            env={"GRPC_EXPERIMENTS": grpc_io.EXPERIMENTS, **env} if argv == noop else env,
             preexec_fn=None
             if kvguard_cpus is None
             else lambda: os.sched_setaffinity(0, kvguard_cpus),

@@ -81,6 +81,9 @@ def _for_worker(config: configs.Config, index: int) -> configs.Config:
 
 def _serve_worker(config: configs.Config, path: Path) -> int:
     # Imported here, after any fork: gRPC, its threads and the tokenizers must start fresh.
+    from kvguard.grpc_io import io_on_polling_thread
+
+    io_on_polling_thread()
     import uvloop
 
     from kvguard.server import serve

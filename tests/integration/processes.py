@@ -29,14 +29,14 @@ async def health(port: int, service: str = "") -> int:
 
 @asynccontextmanager
 async def kvguard_serve(
-    config: Path, port: int, log_path: Path
+    config: Path, port: int, log_path: Path, env: dict[str, str] | None = None
 ) -> AsyncIterator[asyncio.subprocess.Process]:
-    """`kvguard serve --config CONFIG`, ready (SERVING on `port`) when yielded; killed after
-    unless the test ended it itself."""
+    """`kvguard serve --config CONFIG` (in `env`, when given), ready (SERVING on `port`) when
+    yielded; killed after unless the test ended it itself."""
     with log_path.open("wb") as log:
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kvguard", "serve", "--config", str(config),
-            stdout=log, stderr=log,
+            stdout=log, stderr=log, env=env,
         )  # fmt: skip
         try:
             deadline = time.monotonic() + 30
