@@ -27,15 +27,12 @@ async def cancel_and_wait(
 ) -> None:
     """Cancel `tasks` and return once every one has ended; a task that runs on (its
     cancellation lost) is cancelled again every `again_s`. A task that failed is logged."""
-    pending = {task for task in tasks if not task.done()}
-    ended = [task for task in tasks if task.done()]
-    for task in pending:
-        task.cancel()
+    tasks = list(tasks)
+    pending = set(tasks)
     while pending:
-        done, pending = await asyncio.wait(pending, timeout=again_s)
-        ended.extend(done)
         for task in pending:
-            task.cancel()
-    for task in ended:
+            task.cancel()  # a no-op on a task that has ended
+        _, pending = await asyncio.wait(pending, timeout=again_s)
+    for task in tasks:
         if not task.cancelled() and task.exception() is not None:
             log.error("background task %s failed", task.get_name(), exc_info=task.exception())

@@ -152,7 +152,7 @@ QWEN_PATTERN = (
 def test_the_self_check_catches_a_pattern_that_differs_by_one_construct(
     mutant: str, original: str
 ) -> None:
-    # The unchanged pattern passes: Qwen gets a counter (test_a_qwen_count_... below).
+    # The unchanged pattern passes: Qwen gets a counter (test_a_qwen_count_... above).
     assert QWEN_PATTERN.count(original) == 1
     pattern = domain_pattern(QWEN_PATTERN.replace(original, mutant))
     assert pattern is not None
