@@ -6,7 +6,7 @@ one CPU a sidecar has, each handoff is a context switch. With these two EventEng
 off, the polling thread does the I/O itself, as grpcio did before 1.80. Measured through Envoy
 at capacity, 1k-token requests of new text: context switches per request 30.8 -> 20.7, the
 kernel's share of kvguard's CPU 32 % -> 25 %, kvguard's CPU per request ~5 % less (~7 % for
-100-token requests; README, "What it costs").
+100-token requests; docs/overhead.md).
 
 The experiments exist until gRPC removes them; tests/integration/test_grpc_io.py checks that
 the pinned grpcio still honours them. A GRPC_EXPERIMENTS already in the environment wins.
