@@ -210,18 +210,24 @@ class RedisLedger:
             self.on_reset(pool)
 
     async def reserve(self, claim: Claim) -> Reservation:
-        outcome, pool_reserved, tenant_reserved, epoch = await self._run(
-            "reserve",
-            pool_keys(claim.pool),
-            (
-                claim.lease_id,
-                claim.tenant,
-                claim.blocks,
-                claim.pool_limit,
-                claim.tenant_quota,
-                _ms(claim.lease_seconds),
-            ),
-        )
+        try:
+            outcome, pool_reserved, tenant_reserved, epoch = await self._run(
+                "reserve",
+                pool_keys(claim.pool),
+                (
+                    claim.lease_id,
+                    claim.tenant,
+                    claim.blocks,
+                    claim.pool_limit,
+                    claim.tenant_quota,
+                    _ms(claim.lease_seconds),
+                ),
+            )
+        except asyncio.CancelledError:
+            # The caller is gone (its stream ended), but the script may have run: release the
+            # lease id, unawaited, or nobody would. An unknown lease id is a no-op (release.lua).
+            self._queue_release(claim.pool, claim.lease_id)
+            raise
         self._saw_epoch(claim.pool, epoch)
         result = _OUTCOMES[int(outcome)]
         lease = None
@@ -232,16 +238,21 @@ class RedisLedger:
     async def release(self, lease: Lease) -> None:
         """Returns once a release call carrying this lease has returned; raises
         LedgerUnavailable if that call could not reach Redis."""
-        queued = self._queued_releases.get(lease.pool)
+        await asyncio.shield(self._queue_release(lease.pool, lease.lease_id))
+
+    def _queue_release(self, pool: str, lease_id: str) -> asyncio.Future[None]:
+        """Queue a release for the next call of `pool` (starting the calls if none is due);
+        returns the future that the call carrying it resolves."""
+        queued = self._queued_releases.get(pool)
         if queued is None:
-            sent = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            sent = loop.create_future()
             sent.add_done_callback(_retrieve)  # no warning when every waiter is gone
-            queued = self._queued_releases[lease.pool] = _QueuedReleases([], sent)
-            if lease.pool not in self._releasing:
-                task = asyncio.get_running_loop().create_task(self._send_releases(lease.pool))
-                self._releasing[lease.pool] = task
-        queued.lease_ids.append(lease.lease_id)
-        await asyncio.shield(queued.sent)
+            queued = self._queued_releases[pool] = _QueuedReleases([], sent)
+            if pool not in self._releasing:
+                self._releasing[pool] = loop.create_task(self._send_releases(pool))
+        queued.lease_ids.append(lease_id)
+        return queued.sent
 
     async def _send_releases(self, pool: str) -> None:
         """One call per batch of queued releases of `pool`, until none is left. Nothing cancels

@@ -11,8 +11,10 @@ script running.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -22,9 +24,10 @@ from kvguard.leases import LeaseKeeper
 from kvguard.ledger import Claim, Lease, Ledger, Outcome
 from kvguard.ledger import redis_ledger as redis_ledger_module
 from kvguard.ledger.memory import MemoryLedger
-from kvguard.ledger.redis_ledger import RedisLedger, load_script, pool_keys
+from kvguard.ledger.redis_ledger import RedisLedger, connect, load_script, pool_keys
 from kvguard.ledger.resilient import ResilientLedger, local_share
 from kvguard.ledger.url import from_url
+from kvguard.testing import LOOPBACK
 from kvguard.testing.redis import RedisCluster, RedisServer
 
 MARGIN_S = 0.25
@@ -435,6 +438,86 @@ async def test_a_release_waits_for_the_call_in_flight_then_goes_in_the_next(
     await asyncio.gather(ledger.release(second), ledger.release(third), releasing)
     assert _commandstats(redis).get("evalsha") == 2
     assert (await ledger.usage("p")).reserved == 0
+
+
+@contextlib.asynccontextmanager
+async def answers_held(gate: asyncio.Event, ports: list[int]) -> AsyncIterator[dict[int, int]]:
+    """Loopback TCP proxies, one per port (any number of connections each): what a client sends
+    goes on at once, what the server answers waits while `gate` is clear. Yields each port's
+    proxy port."""
+    handlers: set[asyncio.Task[Any]] = set()
+
+    async def pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter, held: bool) -> None:
+        try:
+            while data := await source.read(65536):
+                if held:
+                    await gate.wait()
+                sink.write(data)
+                await sink.drain()
+        except OSError:
+            pass  # the other side is gone
+        finally:
+            sink.close()
+
+    async def forward(
+        port: int, client_in: asyncio.StreamReader, client_out: asyncio.StreamWriter
+    ) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        handlers.add(task)
+        server_in, server_out = await asyncio.open_connection(LOOPBACK, port)
+        await asyncio.gather(
+            pump(client_in, server_out, held=False), pump(server_in, client_out, held=True)
+        )
+
+    servers = {
+        port: await asyncio.start_server(partial(forward, port), LOOPBACK, 0) for port in ports
+    }
+    try:
+        yield {port: server.sockets[0].getsockname()[1] for port, server in servers.items()}
+    finally:
+        for server in servers.values():
+            server.close()
+        for task in handlers:
+            task.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
+
+
+async def _until_usage(ledger: Ledger, reserved: int, leases: int) -> None:
+    """Return once pool p holds `reserved` blocks in `leases` leases (within DEADLINE_S)."""
+    deadline = time.monotonic() + DEADLINE_S
+    while ((usage := await ledger.usage("p")).reserved, usage.leases) != (reserved, leases):
+        assert time.monotonic() < deadline, f"pool p still holds {usage}"
+        await asyncio.sleep(0.01)  # pacing of the reads, not synchronisation
+
+
+async def test_a_reserve_cancelled_after_its_script_ran_leaves_no_lease(redis_ledger) -> None:
+    """An Envoy stream that ends while its reserve's answer is on the way: Redis recorded the
+    lease, the caller never learns it, and the ledger releases it itself."""
+    redis, direct = redis_ledger
+    cluster = isinstance(redis, RedisCluster)
+    ports = redis.ports if cluster else [redis.port]
+    gate = asyncio.Event()
+    gate.set()
+    async with answers_held(gate, ports) as proxy:
+        seed = f"redis://{LOOPBACK}:{proxy[ports[0]]}/0"
+        client = connect(seed, cluster=cluster, timeout_s=PATIENT_S)
+        if cluster:  # the nodes it discovers are reached through their proxies too
+            client.nodes_manager.address_remap = lambda node: (LOOPBACK, proxy[node[1]])
+        ledger = RedisLedger(client)
+        try:
+            await ledger.start()  # connections open, scripts registered, slots discovered
+            gate.clear()
+            reserving = asyncio.ensure_future(ledger.reserve(claim("gone", 10, lease_s=900)))
+            await _until_usage(direct, 10, 1)  # the script ran; its answer is held
+            reserving.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await reserving
+            gate.set()
+            await _until_usage(direct, 0, 0)
+        finally:
+            gate.set()
+            await ledger.close()
 
 
 async def test_a_redis_without_the_scripts_runs_them_anyway(redis_ledger) -> None:
