@@ -28,6 +28,10 @@ class Claim:
     tenant_quota: int  # most blocks this tenant may hold reserved in this pool
     lease_seconds: float
 
+    def lease(self) -> Lease:
+        """The lease this claim takes when admitted."""
+        return Lease(self.lease_id, self.pool, self.tenant, self.blocks)
+
 
 class Outcome(enum.Enum):
     ADMITTED = "admitted"

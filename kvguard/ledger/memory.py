@@ -62,7 +62,7 @@ class MemoryLedger:
                 return Reservation(
                     Outcome.POOL_WATERMARK, pool.reserved, tenant_after - claim.blocks
                 )
-            lease = Lease(claim.lease_id, claim.pool, claim.tenant, claim.blocks)
+            lease = claim.lease()
             expiry = now + claim.lease_seconds
             pool.leases[lease.lease_id] = (lease, expiry)
             heapq.heappush(pool.expiries, (expiry, lease.lease_id))

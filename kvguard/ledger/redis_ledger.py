@@ -143,6 +143,8 @@ class RedisLedger:
 
     `on_reset(pool)` is called when a pool's epoch changes under this process (Redis restarted
     empty, or was flushed): the process must then re-assert its open leases of that pool.
+    `on_release_lost(lease, exc)` is called when the release of a cancelled reserve (which
+    nobody awaits) could not reach Redis: the process must replay it later.
 
     Releases are coalesced per pool: a release goes out at once when none of that pool is in
     flight, and otherwise joins the next call, which carries every release that queued up
@@ -150,7 +152,13 @@ class RedisLedger:
     carries many (redis-py spends ~80 µs of CPU per command, whatever it carries).
     """
 
-    def __init__(self, client: Any, *, on_reset: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        client: Any,
+        *,
+        on_reset: Callable[[str], None] | None = None,
+        on_release_lost: Callable[[Lease, LedgerUnavailable], None] | None = None,
+    ) -> None:
         self._client = client
         # redis-py's asyncio cluster client breaks when concurrent commands find it
         # uninitialised (each starts its own discovery and they close each other's
@@ -162,6 +170,7 @@ class RedisLedger:
         self._scripts = {name: load_script(name) for name in SCRIPT_NAMES}
         self._epochs: dict[str, str] = {}
         self.on_reset = on_reset
+        self.on_release_lost = on_release_lost
         self._queued_releases: dict[str, _QueuedReleases] = {}
         self._releasing: dict[str, asyncio.Task[None]] = {}  # per pool, while calls are due
 
@@ -226,13 +235,12 @@ class RedisLedger:
         except asyncio.CancelledError:
             # The caller is gone (its stream ended), but the script may have run: release the
             # lease id, unawaited, or nobody would. An unknown lease id is a no-op (release.lua).
-            self._queue_release(claim.pool, claim.lease_id)
+            sent = self._queue_release(claim.pool, claim.lease_id)
+            sent.add_done_callback(partial(self._unawaited_release_sent, claim.lease()))
             raise
         self._saw_epoch(claim.pool, epoch)
         result = _OUTCOMES[int(outcome)]
-        lease = None
-        if result is Outcome.ADMITTED:
-            lease = Lease(claim.lease_id, claim.pool, claim.tenant, claim.blocks)
+        lease = claim.lease() if result is Outcome.ADMITTED else None
         return Reservation(result, int(pool_reserved), int(tenant_reserved), lease)
 
     async def release(self, lease: Lease) -> None:
@@ -253,6 +261,11 @@ class RedisLedger:
                 self._releasing[pool] = loop.create_task(self._send_releases(pool))
         queued.lease_ids.append(lease_id)
         return queued.sent
+
+    def _unawaited_release_sent(self, lease: Lease, sent: asyncio.Future[None]) -> None:
+        exc = None if sent.cancelled() else sent.exception()
+        if isinstance(exc, LedgerUnavailable) and self.on_release_lost is not None:
+            self.on_release_lost(lease, exc)
 
     async def _send_releases(self, pool: str) -> None:
         """One call per batch of queued releases of `pool`, until none is left. Nothing cancels

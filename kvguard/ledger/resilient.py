@@ -76,6 +76,7 @@ class ResilientLedger:
             raise ValueError("replicas must be at least 1")
         self.primary = primary
         primary.on_reset = self._on_reset
+        primary.on_release_lost = self._release_lost
         self.on_unavailable = on_unavailable
         self.replicas = replicas
         self.lease_seconds = lease_seconds
@@ -108,7 +109,7 @@ class ResilientLedger:
             except LedgerUnavailable as exc:
                 self._went_down(exc)
                 # Redis may have recorded it before the answer was lost.
-                self._maybe_in_redis[claim.lease_id] = _lease_of(claim)
+                self._maybe_in_redis[claim.lease_id] = claim.lease()
         self._count_error()
         if self._local is None:
             raise LedgerUnavailable("the Redis ledger cannot be reached")
@@ -206,6 +207,13 @@ class ResilientLedger:
         self.errors += 1
         if self.on_error is not None:
             self.on_error()
+
+    def _release_lost(self, lease: Lease, exc: LedgerUnavailable) -> None:
+        """A cancelled reserve's release could not reach Redis: kept and replayed, as release()
+        keeps its own."""
+        self._went_down(exc)
+        self._count_error()
+        self._unreleased[lease.lease_id] = lease
 
     def _went_down(self, exc: BaseException) -> None:
         """Flip to unreachable, synchronously: no admission may slip between the flip and the
@@ -315,7 +323,3 @@ class ResilientLedger:
                 self._went_down(exc)
             except Exception:
                 log.exception("ledger: watching Redis failed")
-
-
-def _lease_of(claim: Claim) -> Lease:
-    return Lease(claim.lease_id, claim.pool, claim.tenant, claim.blocks)

@@ -440,18 +440,68 @@ async def test_a_release_waits_for_the_call_in_flight_then_goes_in_the_next(
     assert (await ledger.usage("p")).reserved == 0
 
 
-@contextlib.asynccontextmanager
-async def answers_held(gate: asyncio.Event, ports: list[int]) -> AsyncIterator[dict[int, int]]:
-    """Loopback TCP proxies, one per port (any number of connections each): what a client sends
-    goes on at once, what the server answers waits while `gate` is clear. Yields each port's
-    proxy port."""
-    handlers: set[asyncio.Task[Any]] = set()
+class Proxies:
+    """Loopback TCP proxies, one per Redis port (any number of connections each): what a client
+    sends goes on at once; what the server answers waits while `answers` is clear. `cut()`
+    drops every connection and refuses new ones until `restore()`."""
 
-    async def pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter, held: bool) -> None:
+    def __init__(self) -> None:
+        self.answers = asyncio.Event()
+        self.answers.set()
+        self.up = True
+        self.ports: dict[int, int] = {}  # Redis port -> its proxy's port
+        self._servers: list[asyncio.Server] = []
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._handlers: set[asyncio.Task[None]] = set()
+
+    async def start(self, ports: list[int]) -> None:
+        for port in ports:
+            server = await asyncio.start_server(partial(self._forward, port), LOOPBACK, 0)
+            self._servers.append(server)
+            self.ports[port] = server.sockets[0].getsockname()[1]
+
+    def cut(self) -> None:
+        self.up = False
+        for writer in self._writers:
+            writer.transport.abort()
+
+    def restore(self) -> None:
+        self.up = True
+        self.answers.set()
+
+    async def close(self) -> None:
+        for server in self._servers:
+            server.close()
+        self.cut()
+        for task in self._handlers:
+            task.cancel()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
+
+    async def _forward(
+        self, port: int, client_in: asyncio.StreamReader, client_out: asyncio.StreamWriter
+    ) -> None:
+        if not self.up:
+            client_out.transport.abort()
+            return
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        server_in, server_out = await asyncio.open_connection(LOOPBACK, port)
+        self._writers.update((client_out, server_out))
+        await asyncio.gather(
+            self._pump(client_in, server_out, held=False),
+            self._pump(server_in, client_out, held=True),
+        )
+
+    async def _pump(
+        self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, held: bool
+    ) -> None:
         try:
             while data := await source.read(65536):
                 if held:
-                    await gate.wait()
+                    await self.answers.wait()
+                if sink.is_closing():
+                    break  # cut
                 sink.write(data)
                 await sink.drain()
         except OSError:
@@ -459,28 +509,25 @@ async def answers_held(gate: asyncio.Event, ports: list[int]) -> AsyncIterator[d
         finally:
             sink.close()
 
-    async def forward(
-        port: int, client_in: asyncio.StreamReader, client_out: asyncio.StreamWriter
-    ) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        handlers.add(task)
-        server_in, server_out = await asyncio.open_connection(LOOPBACK, port)
-        await asyncio.gather(
-            pump(client_in, server_out, held=False), pump(server_in, client_out, held=True)
-        )
 
-    servers = {
-        port: await asyncio.start_server(partial(forward, port), LOOPBACK, 0) for port in ports
-    }
+@contextlib.asynccontextmanager
+async def through_proxies(redis: Any) -> AsyncIterator[tuple[Proxies, RedisLedger]]:
+    """A RedisLedger that reaches `redis` (a server or a cluster) only through Proxies."""
+    cluster = isinstance(redis, RedisCluster)
+    ports = redis.ports if cluster else [redis.port]
+    proxies = Proxies()
+    await proxies.start(ports)
+    seed = f"redis://{LOOPBACK}:{proxies.ports[ports[0]]}/0"
+    client = connect(seed, cluster=cluster, timeout_s=PATIENT_S)  # held answers are not lost
+    if cluster:  # the nodes it discovers are reached through their proxies too
+        client.nodes_manager.address_remap = lambda node: (LOOPBACK, proxies.ports[node[1]])
+    ledger = RedisLedger(client)
     try:
-        yield {port: server.sockets[0].getsockname()[1] for port, server in servers.items()}
+        yield proxies, ledger
     finally:
-        for server in servers.values():
-            server.close()
-        for task in handlers:
-            task.cancel()
-        await asyncio.gather(*handlers, return_exceptions=True)
+        proxies.restore()
+        await ledger.close()
+        await proxies.close()
 
 
 async def _until_usage(ledger: Ledger, reserved: int, leases: int) -> None:
@@ -491,33 +538,48 @@ async def _until_usage(ledger: Ledger, reserved: int, leases: int) -> None:
         await asyncio.sleep(0.01)  # pacing of the reads, not synchronisation
 
 
+async def _reserve_then_cancel(ledger: Ledger, proxies: Proxies, direct: Ledger) -> None:
+    """A reserve whose script ran in Redis and whose caller then went away (its Envoy stream
+    ended) while the answer was on the way: the caller never learns the lease."""
+    proxies.answers.clear()
+    reserving = asyncio.ensure_future(ledger.reserve(claim("gone", 10, lease_s=900)))
+    await _until_usage(direct, 10, 1)  # the script ran; its answer is held
+    reserving.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reserving
+
+
 async def test_a_reserve_cancelled_after_its_script_ran_leaves_no_lease(redis_ledger) -> None:
-    """An Envoy stream that ends while its reserve's answer is on the way: Redis recorded the
-    lease, the caller never learns it, and the ledger releases it itself."""
     redis, direct = redis_ledger
-    cluster = isinstance(redis, RedisCluster)
-    ports = redis.ports if cluster else [redis.port]
-    gate = asyncio.Event()
-    gate.set()
-    async with answers_held(gate, ports) as proxy:
-        seed = f"redis://{LOOPBACK}:{proxy[ports[0]]}/0"
-        client = connect(seed, cluster=cluster, timeout_s=PATIENT_S)
-        if cluster:  # the nodes it discovers are reached through their proxies too
-            client.nodes_manager.address_remap = lambda node: (LOOPBACK, proxy[node[1]])
-        ledger = RedisLedger(client)
+    async with through_proxies(redis) as (proxies, ledger):
+        await ledger.start()  # connections open, scripts registered, slots discovered
+        await _reserve_then_cancel(ledger, proxies, direct)
+        proxies.answers.set()
+        await _until_usage(direct, 0, 0)  # the ledger released it itself
+
+
+async def test_a_cancelled_reserves_release_that_cannot_reach_redis_is_replayed(
+    redis_server: RedisServer,
+) -> None:
+    redis_server.flushall()
+    direct = RedisLedger.from_url(redis_server.url, timeout_s=PATIENT_S)
+    async with through_proxies(redis_server) as (proxies, primary):
+        ledger = ResilientLedger(primary, probe_interval_s=0.02)
         try:
-            await ledger.start()  # connections open, scripts registered, slots discovered
-            gate.clear()
-            reserving = asyncio.ensure_future(ledger.reserve(claim("gone", 10, lease_s=900)))
-            await _until_usage(direct, 10, 1)  # the script ran; its answer is held
-            reserving.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await reserving
-            gate.set()
-            await _until_usage(direct, 0, 0)
+            await ledger.start()
+            await _reserve_then_cancel(ledger, proxies, direct)
+            proxies.cut()  # before the release's answer: it cannot reach Redis
+            deadline = time.monotonic() + DEADLINE_S
+            while ledger.reachable:
+                assert time.monotonic() < deadline, "Redis still counts as reachable"
+                await asyncio.sleep(0.01)  # pacing, not synchronisation
+            assert (await direct.usage("p")).reserved == 10
+            proxies.restore()
+            await _until_usage(direct, 0, 0)  # replayed on recovery
+            assert ledger.reachable
         finally:
-            gate.set()
             await ledger.close()
+            await direct.close()
 
 
 async def test_a_redis_without_the_scripts_runs_them_anyway(redis_ledger) -> None:
