@@ -175,10 +175,10 @@ class Admission:
             quota,
             self.settings.lease_seconds,
         )
-        lease = await self._reserve(claim, quota)
-        body = None
+        body = None  # built before the reserve: nothing may fail between it and the answer
         if limits.fields != request.limits:
             body = json.dumps({**request.body, **limits.fields}, ensure_ascii=False).encode()
+        lease = await self._reserve(claim, quota)
         headers = {
             "x-kvguard-blocks": str(blocks),
             "x-kvguard-prompt-tokens": str(prompt_total),

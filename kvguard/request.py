@@ -61,11 +61,18 @@ def _positive_int(body: dict[str, Any], key: str) -> int | None:
 def parse(kind: Kind, raw: bytes) -> InferenceRequest:
     """Validate the body; raises Refusal(invalid_request) with a message naming the field."""
     try:
-        body = json.loads(raw, parse_constant=_reject_constant)
-    except (ValueError, RecursionError):
-        raise invalid("the request body is not valid JSON") from None
+        # Decoded here, strictly: json.loads would let a surrogate's UTF-8 bytes through.
+        text = raw.decode()
+        body = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        raise invalid("the request body is not valid JSON in UTF-8") from None
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
+    if ("\\ud" in text or "\\uD" in text) and _holds_lone_surrogate(body):
+        raise invalid(
+            "the request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff), which "
+            "is not text"
+        )
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("'model' must be a non-empty string", "model")
@@ -80,6 +87,17 @@ def parse(kind: Kind, raw: bytes) -> InferenceRequest:
         if value is not None:
             limits[key] = value
     return InferenceRequest(kind, model, body, n, limits, _truncation(body))
+
+
+def _holds_lone_surrogate(body: dict[str, Any]) -> bool:
+    """Whether a string of `body` holds half of a surrogate pair: one that cannot be encoded
+    (the tokenizer and the rewritten body both need it encoded). Escaped pairs, as JSON
+    writes characters beyond the BMP, decode to one character and pass."""
+    try:
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _echo_only(body: dict[str, Any], key: str) -> bool:

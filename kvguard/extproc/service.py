@@ -87,9 +87,10 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
                         case "request_headers":
                             response = self._on_request_headers(exchange, message.request_headers)
                         case "request_body":
-                            response, lease = await self._on_request_body(
+                            response, held = await self._on_request_body(
                                 exchange, message.request_body, context
                             )
+                            lease = lease or held
                         case kind:
                             response = responses.continue_response(str(kind))
                 except Exception as exc:
@@ -117,7 +118,8 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
         message: HttpBody,
         context: grpc.aio.ServicerContext[ProcessingRequest, ProcessingResponse],
     ) -> tuple[ProcessingResponse, Lease | None]:
-        if exchange.kind is None or exchange.identity is None:
+        if exchange.kind is None or exchange.identity is None or exchange.recorded:
+            # Unguarded, or decided already: one decision and one lease per stream.
             return responses.continue_response("request_body"), None
         exchange.recorded = True
         with self._telemetry.deciding(exchange.decision, exchange.headers):

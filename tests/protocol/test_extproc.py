@@ -60,6 +60,24 @@ async def test_admitted_chat_is_clamped_and_released_at_the_end(tmp_path: Path) 
         await wait_until(lambda: _is_zero(service))
 
 
+async def test_a_second_body_message_neither_decides_again_nor_loses_the_lease(
+    tmp_path: Path,
+) -> None:
+    """Envoy sends one buffered body; a stream with two still holds one lease, released at
+    its end."""
+    async with running(tmp_path) as (service, stub):
+        call, (_, first, second) = await exchange(
+            stub, headers("/v1/chat/completions"), body(CHAT), body(CHAT)
+        )
+        assert "x-kvguard-lease" in set_headers(first.request_body.response)
+        assert not second.request_body.response.HasField("header_mutation")
+        assert (await service.ledger.usage("qwen")).leases == 1
+        await call.done_writing()
+        assert await call.read() == grpc.aio.EOF
+        await wait_until(lambda: _is_zero(service))
+        assert service.keeper.open_leases == 0
+
+
 async def _is_zero(service: Service) -> bool:
     return await reserved(service) == 0
 
@@ -139,6 +157,11 @@ async def test_completion_batch_counts_each_prompt(tmp_path: Path) -> None:
         ),
         (b'{"model": 7, "messages": [{"role": "user", "content": "hi"}]}', "model"),
         (b"\xff\xfe not utf-8", None),
+        # Half a surrogate pair, escaped, in a field the body's rewrite re-encodes...
+        ((HI + ', "user": "x\\ud800"}').encode(), None),
+        # ... in the text the tokenizer encodes, and as bytes (not UTF-8).
+        (b'{"model": "qwen", "messages": [{"role": "user", "content": "hi \\udc00"}]}', None),
+        (b'{"model": "qwen", "messages": [{"role": "user", "content": "hi \xed\xa0\x80"}]}', None),
     ],
 )
 async def test_malformed_bodies_get_400_and_reserve_nothing(
@@ -156,6 +179,20 @@ async def test_malformed_bodies_get_400_and_reserve_nothing(
         assert error["error"]["param"] == param
         assert error["error"]["type"] == "invalid_request_error"
         assert await reserved(service) == 0
+
+
+async def test_an_escaped_surrogate_pair_is_one_character_and_admitted(tmp_path: Path) -> None:
+    async with running(tmp_path) as (service, stub):
+        escaped = b'{"model": "qwen", "user": "\\ud83d\\ude00", "messages": [{"role": "user", '
+        escaped += b'"content": "hi \\ud83d\\ude00"}]}'
+        literal = json.dumps(json.loads(escaped), ensure_ascii=False).encode()
+        counts, calls = [], []
+        for payload in (escaped, literal):
+            call, (_, answer) = await exchange(stub, headers("/v1/chat/completions"), body(payload))
+            calls.append(call)  # open until the test ends: its lease is held
+            counts.append(set_headers(answer.request_body.response)["x-kvguard-prompt-tokens"])
+        assert counts[0] == counts[1]
+        assert (await service.ledger.usage("qwen")).leases == 2
 
 
 async def test_guarded_request_without_body_is_invalid(tmp_path: Path) -> None:
