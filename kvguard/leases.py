@@ -29,6 +29,9 @@ class LeaseKeeper:
         """Start releasing `lease` if it is still held; never raises, never blocks."""
         if self._open.pop(lease.lease_id, None) is None:
             return
+        self._start_release(lease)
+
+    def _start_release(self, lease: Lease) -> None:
         # A task of its own: the stream that ends may be cancelled itself.
         task = asyncio.get_running_loop().create_task(self._release(lease))
         self._releasing.add(task)
@@ -66,14 +69,17 @@ class LeaseKeeper:
         leases = self.snapshot()
         if not leases:
             return 0
-        added = await self._ledger.reassert(leases, self._lease_seconds)
+        try:
+            added = await self._ledger.reassert(leases, self._lease_seconds)
+        finally:
+            # A release that reached the ledger before the re-assert would be undone by it:
+            # release those again (release is idempotent), also when this renewal is cancelled
+            # after its re-assert went out (at shutdown). settle() waits for them.
+            for lease in leases:
+                if lease.lease_id not in self._open:
+                    self._start_release(lease)
         if added:
             log.warning("%d open leases were missing from the ledger and were re-asserted", added)
-        # A release that reached the ledger before the re-assert would be undone by it: release
-        # those again (release is idempotent).
-        for lease in leases:
-            if lease.lease_id not in self._open:
-                await self._ledger.release(lease)
         return added
 
     async def settle(self) -> None:

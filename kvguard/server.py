@@ -157,11 +157,12 @@ class Service:
             # Keep answering a moment, NOT_SERVING, so health checks see it before refusals.
             await asyncio.sleep(min(DRAIN_NOTICE_S, grace_s))
             await self.grpc.stop(max(grace_s - DRAIN_NOTICE_S, 0))
+        finally:
+            # Renewals end first: one in flight could record again a lease released below.
+            await cancel_and_wait(self._tasks)
             open_leases = self.keeper.open_leases
             await self.keeper.release_all()
             log.info("drained; %d leases still open were released", open_leases)
-        finally:
-            await cancel_and_wait(self._tasks)
             self.counter.close()
             await self.ledger.close()
             # Off the loop: the final export may wait on the network.

@@ -309,6 +309,49 @@ async def test_the_keeper_renews_by_reasserting_its_open_leases(clock_and_ledger
     assert [lease.lease_id for lease in keeper.snapshot()] == ["0", "2"]
 
 
+class LateReassert:
+    """A memory ledger whose re-assert waits for a connection (`sent`), then lands in the ledger
+    at once and waits for its answer (`answered`): a command on the wire lands whether or not its
+    caller still waits."""
+
+    def __init__(self, ledger: MemoryLedger) -> None:
+        self.ledger = ledger
+        self.sent, self.answered = asyncio.Event(), asyncio.Event()
+        self.waiting = asyncio.Event()
+
+    async def reassert(self, leases: list[Lease], lease_seconds: float) -> int:
+        self.waiting.set()
+        await self.sent.wait()
+        added = await self.ledger.reassert(leases, lease_seconds)
+        await self.answered.wait()
+        return added
+
+    async def release(self, lease: Lease) -> None:
+        await self.ledger.release(lease)
+
+
+async def test_a_renewal_cancelled_after_its_reassert_went_out_leaves_no_released_lease() -> None:
+    """Shutdown cancels the keeper's renewal; a lease released while that renewal's re-assert
+    waited for a connection was recorded again by it, and is released again."""
+    ledger = LateReassert(MemoryLedger(Clock()))
+    keeper = LeaseKeeper(ledger, 30)  # type: ignore[arg-type]
+    lease = (await ledger.ledger.reserve(claim("ended", 10))).lease
+    assert lease is not None
+    keeper.hold(lease)
+    renewal = asyncio.ensure_future(keeper.renew_all())
+    await ledger.waiting.wait()  # its snapshot holds the lease
+    keeper.release(lease)  # the stream ended
+    await keeper.settle()
+    assert (await ledger.ledger.usage("p")).reserved == 0
+    ledger.sent.set()
+    await _until_usage(ledger.ledger, 10, 1)  # the re-assert landed: recorded again
+    renewal.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await renewal
+    await keeper.settle()
+    assert (await ledger.ledger.usage("p")).reserved == 0
+
+
 def test_the_local_share_rounds_down() -> None:
     assert [local_share(850, r) for r in (1, 2, 3, 1000)] == [850, 425, 283, 0]
 
