@@ -26,6 +26,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable
@@ -97,6 +98,8 @@ class ResilientLedger:
         self._pools: set[str] = set()
         self._watcher: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+        self._outage = asyncio.Event()  # wakes the watcher when an operation finds Redis gone
 
     # -- the Ledger protocol ------------------------------------------------------------------
 
@@ -105,11 +108,16 @@ class ResilientLedger:
         self._watch()
         if self.reachable:
             try:
-                return await self.primary.reserve(claim)
+                reservation = await self.primary.reserve(claim)
             except LedgerUnavailable as exc:
                 self._went_down(exc)
                 # Redis may have recorded it before the answer was lost.
                 self._maybe_in_redis[claim.lease_id] = claim.lease()
+            else:
+                if self._local is not None and reservation.lease is not None:
+                    # Admitted by Redis after another call flipped to local: it counts there.
+                    self._local.hold([reservation.lease], claim.lease_seconds)
+                return reservation
         self._count_error()
         if self._local is None:
             raise LedgerUnavailable("the Redis ledger cannot be reached")
@@ -148,8 +156,7 @@ class ResilientLedger:
         self._count_error()
         if self._local is None:
             raise LedgerUnavailable("the Redis ledger cannot be reached")
-        self._local.hold([lease], lease_seconds)
-        return True
+        return await self._local.renew(lease, lease_seconds)
 
     async def reassert(self, leases: Iterable[Lease], lease_seconds: float) -> int:
         """While unreachable: holds them locally (`local`) and returns 0; recovery re-asserts
@@ -197,6 +204,7 @@ class ResilientLedger:
         self._watch()
 
     async def close(self) -> None:
+        self._closed = True  # a late failure must not start the watcher again
         await cancel_and_wait([t for t in (self._watcher, *self._tasks) if t is not None])
         self._watcher = None
         await self.primary.close()
@@ -222,6 +230,7 @@ class ResilientLedger:
             return
         self.reachable = False
         self.outages += 1
+        self._outage.set()  # the watcher probes from now on, not after its heartbeat
         if self.on_unavailable == "local":
             self._local = MemoryLedger()
             # This process's open leases count against its local share.
@@ -286,7 +295,7 @@ class ResilientLedger:
 
     def _on_reset(self, pool: str) -> None:
         """Redis lost this pool's state without an error seen (a quick restart): re-assert."""
-        if not self.reachable:
+        if not self.reachable or self._closed:
             return  # recovery re-asserts everything anyway
         task = asyncio.get_running_loop().create_task(self._reassert_pool(pool))
         self._tasks.add(task)
@@ -298,23 +307,33 @@ class ResilientLedger:
             added = await self.primary.reassert(leases, self.lease_seconds)
         except LedgerUnavailable as exc:
             self._went_down(exc)
-            return
-        log.warning("ledger: pool %s lost its state in Redis; %d leases re-asserted", pool, added)
-        # A lease released while the script was on its way may have been recorded again.
+        else:
+            log.warning(
+                "ledger: pool %s lost its state in Redis; %d leases re-asserted", pool, added
+            )
+        # A lease released while the script was on its way may have been recorded again (also
+        # when its answer was lost: release() then keeps it for the replay).
         still_open = {lease.lease_id for lease in self.open_leases()}
         for lease in leases:
             if lease.lease_id not in still_open:
                 await self.release(lease)
 
     def _watch(self) -> None:
-        """Start the watcher if it is not running (needs a running event loop)."""
+        """Start the watcher if it is not running (needs a running event loop); none once
+        closed."""
+        if self._closed:
+            return
         if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.get_running_loop().create_task(self._watch_forever())
 
     async def _watch_forever(self) -> None:
         while True:
-            # Pacing of a background probe, not synchronisation.
-            await asyncio.sleep(self.heartbeat_s if self.reachable else self.probe_interval_s)
+            # Pacing of a background probe, not synchronisation: `heartbeat_s` while Redis is
+            # reachable, `probe_interval_s` from the moment it is not.
+            delay = self.heartbeat_s if self.reachable else self.probe_interval_s
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._outage.wait(), delay)
+            self._outage.clear()
             try:
                 await self.primary.check(self._pools)
                 if not self.reachable:

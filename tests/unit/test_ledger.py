@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import pytest
 
 from kvguard.leases import LeaseKeeper
-from kvguard.ledger import Claim, Lease, Ledger, Outcome
+from kvguard.ledger import Claim, Lease, Ledger, LedgerUnavailable, Outcome
 from kvguard.ledger import redis_ledger as redis_ledger_module
 from kvguard.ledger.memory import MemoryLedger
 from kvguard.ledger.redis_ledger import RedisLedger, connect, load_script, pool_keys
@@ -623,6 +623,142 @@ async def test_a_cancelled_reserves_release_that_cannot_reach_redis_is_replayed(
         finally:
             await ledger.close()
             await direct.close()
+
+
+async def test_a_lease_redis_admits_after_the_flip_to_local_counts_in_the_local_share(
+    redis_server: RedisServer,
+) -> None:
+    redis_server.flushall()
+    direct = RedisLedger.from_url(redis_server.url, timeout_s=PATIENT_S)
+    async with through_proxies(redis_server) as (proxies, primary):
+        ledger = ResilientLedger(
+            primary, on_unavailable="local", replicas=2, probe_interval_s=30, heartbeat_s=30
+        )
+        try:
+            await ledger.start()
+            proxies.answers.clear()
+            first = claim("B", 40, tenant="b", limit=100, quota=100)
+            reserving = asyncio.ensure_future(ledger.reserve(first))
+            await _until_usage(direct, 40, 1)  # admitted in Redis; the answer is on its way
+            # Meanwhile another call finds Redis unreachable (each failed call does this).
+            ledger._went_down(LedgerUnavailable("another call timed out"))
+            proxies.answers.set()
+            assert (await reserving).outcome is Outcome.ADMITTED
+            # This process's share is 100 // 2 = 50 blocks, and B holds 40 of them.
+            second = await ledger.reserve(claim("C", 20, tenant="c", limit=100, quota=100))
+            assert second.outcome is Outcome.POOL_WATERMARK
+        finally:
+            await ledger.close()
+            await direct.close()
+
+
+async def test_a_lease_released_while_a_pool_reset_reasserts_is_released_again(
+    redis_server: RedisServer,
+) -> None:
+    """Redis restarted empty: the pool's open leases are re-asserted; one whose stream ended
+    while that script waited to be sent was recorded again, and the script's answer was lost."""
+    redis_server.flushall()
+    direct = RedisLedger.from_url(redis_server.url, timeout_s=PATIENT_S)
+    async with through_proxies(redis_server) as (proxies, primary):
+        keeper: LeaseKeeper
+        ledger = ResilientLedger(
+            primary, open_leases=lambda: keeper.snapshot(), probe_interval_s=0.02, heartbeat_s=30
+        )
+        keeper = LeaseKeeper(ledger, 60)
+        try:
+            await ledger.start()
+            for lease_id in ("ended", "open"):
+                reservation = await ledger.reserve(claim(lease_id, 10))
+                assert reservation.lease is not None
+                keeper.hold(reservation.lease)
+            redis_server.flushall()  # what a restart without persistence leaves
+            send, snapshotted = asyncio.Event(), asyncio.Event()
+            run = primary._run
+
+            async def reassert_sent_late(name: str, keys: Any, args: Any) -> Any:
+                if name == "reassert":  # waits for a connection, after its snapshot
+                    snapshotted.set()
+                    await send.wait()
+                    proxies.answers.clear()  # this answer will be lost
+                return await run(name, keys, args)
+
+            primary._run = reassert_sent_late  # type: ignore[method-assign]
+            await primary.check(["p"])  # the epoch is gone: the pool's leases are re-asserted
+            await snapshotted.wait()
+            keeper.release(next(lease for lease in keeper.snapshot() if lease.lease_id == "ended"))
+            await keeper.settle()
+            send.set()
+            await _until_usage(direct, 20, 2)  # both recorded again
+            proxies.cut()
+            deadline = time.monotonic() + DEADLINE_S
+            while ledger.reachable:  # the re-assert failed: its answer is lost
+                assert time.monotonic() < deadline, "Redis still counts as reachable"
+                await asyncio.sleep(0.01)  # pacing, not synchronisation
+            primary._run = run  # type: ignore[method-assign]
+            proxies.restore()
+            await _until_usage(direct, 10, 1)  # released again on recovery
+            assert [lease.lease_id for lease in keeper.snapshot()] == ["open"]
+        finally:
+            await ledger.close()
+            await direct.close()
+
+
+async def test_an_outage_an_operation_finds_is_probed_at_once_not_after_the_heartbeat(
+    redis_server: RedisServer,
+) -> None:
+    redis_server.flushall()
+    async with through_proxies(redis_server) as (proxies, primary):
+        ledger = ResilientLedger(primary, probe_interval_s=0.02, heartbeat_s=3600)
+        try:
+            await ledger.start()  # the watcher sleeps for its heartbeat
+            proxies.cut()
+            with pytest.raises(LedgerUnavailable):
+                await ledger.reserve(claim("A", 1))
+            proxies.restore()
+            deadline = time.monotonic() + DEADLINE_S
+            while not ledger.reachable:  # probed every 0.02 s, not in an hour
+                assert time.monotonic() < deadline, "Redis is back, the ledger did not see it"
+                await asyncio.sleep(0.01)  # pacing, not synchronisation
+        finally:
+            await ledger.close()
+
+
+async def test_close_leaves_no_watcher_behind(redis_server: RedisServer) -> None:
+    """A cancelled reserve's release fails while close() waits for it: Redis is then seen
+    unreachable, and nothing may start watching it again."""
+    redis_server.flushall()
+    direct = RedisLedger.from_url(redis_server.url, timeout_s=PATIENT_S)
+    async with through_proxies(redis_server) as (proxies, primary):
+        ledger = ResilientLedger(primary, probe_interval_s=0.02)
+        await ledger.start()
+        await _reserve_then_cancel(ledger, proxies, direct)  # its release waits for an answer
+        closing = asyncio.ensure_future(ledger.close())
+        deadline = time.monotonic() + DEADLINE_S
+        while ledger._watcher is not None:  # close() stopped it; now it waits for the release
+            assert time.monotonic() < deadline, "close() did not stop the watcher"
+            await asyncio.sleep(0.01)  # pacing, not synchronisation
+        proxies.cut()
+        await closing
+        assert not ledger.reachable  # the release failed
+        assert ledger._watcher is None
+    await direct.close()
+
+
+async def test_renewing_a_released_lease_locally_does_not_bring_it_back(tmp_path: Path) -> None:
+    never_started = RedisServer(tmp_path / "redis")  # its port refuses connections
+    ledger = ResilientLedger(
+        RedisLedger.from_url(never_started.url), on_unavailable="local", probe_interval_s=30
+    )
+    try:
+        await ledger.start()
+        assert not ledger.reachable
+        lease = (await ledger.reserve(claim("L", 10))).lease
+        assert lease is not None
+        await ledger.release(lease)
+        assert await ledger.renew(lease, 60) is False
+        assert (await ledger.usage("p")).reserved == 0
+    finally:
+        await ledger.close()
 
 
 async def test_a_redis_without_the_scripts_runs_them_anyway(redis_ledger) -> None:
