@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
@@ -120,6 +120,17 @@ async def redis_ledger(request: pytest.FixtureRequest) -> AsyncIterator[tuple[An
         yield redis, ledger
     finally:
         await ledger.close()
+
+
+@pytest.fixture
+async def direct(redis_server: RedisServer) -> AsyncIterator[RedisLedger]:
+    """The emptied redis-server's own view, for tests whose ledger reaches it through Proxies."""
+    redis_server.flushall()
+    view = RedisLedger.from_url(redis_server.url, timeout_s=PATIENT_S)
+    try:
+        yield view
+    finally:
+        await view.close()
 
 
 def claim(
@@ -581,6 +592,14 @@ async def _until_usage(ledger: Ledger, reserved: int, leases: int) -> None:
         await asyncio.sleep(0.01)  # pacing of the reads, not synchronisation
 
 
+async def _until(condition: Callable[[], bool], what: str) -> None:
+    """Return once `condition()` holds (within DEADLINE_S); else fail saying `what` was awaited."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        assert time.monotonic() < deadline, f"still waiting for {what}"
+        await asyncio.sleep(0.01)  # pacing, not synchronisation
+
+
 async def _reserve_then_cancel(ledger: Ledger, proxies: Proxies, direct: Ledger) -> None:
     """A reserve whose script ran in Redis and whose caller then went away (its Envoy stream
     ended) while the answer was on the way: the caller never learns the lease."""
@@ -602,34 +621,26 @@ async def test_a_reserve_cancelled_after_its_script_ran_leaves_no_lease(redis_le
 
 
 async def test_a_cancelled_reserves_release_that_cannot_reach_redis_is_replayed(
-    redis_server: RedisServer,
+    redis_server: RedisServer, direct: RedisLedger
 ) -> None:
-    redis_server.flushall()
-    direct = RedisLedger.from_url(redis_server.url, timeout_s=PATIENT_S)
     async with through_proxies(redis_server) as (proxies, primary):
         ledger = ResilientLedger(primary, probe_interval_s=0.02)
         try:
             await ledger.start()
             await _reserve_then_cancel(ledger, proxies, direct)
             proxies.cut()  # before the release's answer: it cannot reach Redis
-            deadline = time.monotonic() + DEADLINE_S
-            while ledger.reachable:
-                assert time.monotonic() < deadline, "Redis still counts as reachable"
-                await asyncio.sleep(0.01)  # pacing, not synchronisation
+            await _until(lambda: not ledger.reachable, "Redis to count as unreachable")
             assert (await direct.usage("p")).reserved == 10
             proxies.restore()
             await _until_usage(direct, 0, 0)  # replayed on recovery
             assert ledger.reachable
         finally:
             await ledger.close()
-            await direct.close()
 
 
 async def test_a_lease_redis_admits_after_the_flip_to_local_counts_in_the_local_share(
-    redis_server: RedisServer,
+    redis_server: RedisServer, direct: RedisLedger
 ) -> None:
-    redis_server.flushall()
-    direct = RedisLedger.from_url(redis_server.url, timeout_s=PATIENT_S)
     async with through_proxies(redis_server) as (proxies, primary):
         ledger = ResilientLedger(
             primary, on_unavailable="local", replicas=2, probe_interval_s=30, heartbeat_s=30
@@ -649,16 +660,13 @@ async def test_a_lease_redis_admits_after_the_flip_to_local_counts_in_the_local_
             assert second.outcome is Outcome.POOL_WATERMARK
         finally:
             await ledger.close()
-            await direct.close()
 
 
 async def test_a_lease_released_while_a_pool_reset_reasserts_is_released_again(
-    redis_server: RedisServer,
+    redis_server: RedisServer, direct: RedisLedger
 ) -> None:
     """Redis restarted empty: the pool's open leases are re-asserted; one whose stream ended
     while that script waited to be sent was recorded again, and the script's answer was lost."""
-    redis_server.flushall()
-    direct = RedisLedger.from_url(redis_server.url, timeout_s=PATIENT_S)
     async with through_proxies(redis_server) as (proxies, primary):
         keeper: LeaseKeeper
         ledger = ResilientLedger(
@@ -690,17 +698,13 @@ async def test_a_lease_released_while_a_pool_reset_reasserts_is_released_again(
             send.set()
             await _until_usage(direct, 20, 2)  # both recorded again
             proxies.cut()
-            deadline = time.monotonic() + DEADLINE_S
-            while ledger.reachable:  # the re-assert failed: its answer is lost
-                assert time.monotonic() < deadline, "Redis still counts as reachable"
-                await asyncio.sleep(0.01)  # pacing, not synchronisation
+            await _until(lambda: not ledger.reachable, "the re-assert to fail")  # answer lost
             primary._run = run  # type: ignore[method-assign]
             proxies.restore()
             await _until_usage(direct, 10, 1)  # released again on recovery
             assert [lease.lease_id for lease in keeper.snapshot()] == ["open"]
         finally:
             await ledger.close()
-            await direct.close()
 
 
 async def test_an_outage_an_operation_finds_is_probed_at_once_not_after_the_heartbeat(
@@ -715,33 +719,27 @@ async def test_an_outage_an_operation_finds_is_probed_at_once_not_after_the_hear
             with pytest.raises(LedgerUnavailable):
                 await ledger.reserve(claim("A", 1))
             proxies.restore()
-            deadline = time.monotonic() + DEADLINE_S
-            while not ledger.reachable:  # probed every 0.02 s, not in an hour
-                assert time.monotonic() < deadline, "Redis is back, the ledger did not see it"
-                await asyncio.sleep(0.01)  # pacing, not synchronisation
+            await _until(lambda: ledger.reachable, "a probe (every 0.02 s, not in an hour)")
         finally:
             await ledger.close()
 
 
-async def test_close_leaves_no_watcher_behind(redis_server: RedisServer) -> None:
+async def test_close_leaves_no_watcher_behind(
+    redis_server: RedisServer, direct: RedisLedger
+) -> None:
     """A cancelled reserve's release fails while close() waits for it: Redis is then seen
     unreachable, and nothing may start watching it again."""
-    redis_server.flushall()
-    direct = RedisLedger.from_url(redis_server.url, timeout_s=PATIENT_S)
     async with through_proxies(redis_server) as (proxies, primary):
         ledger = ResilientLedger(primary, probe_interval_s=0.02)
         await ledger.start()
         await _reserve_then_cancel(ledger, proxies, direct)  # its release waits for an answer
         closing = asyncio.ensure_future(ledger.close())
-        deadline = time.monotonic() + DEADLINE_S
-        while ledger._watcher is not None:  # close() stopped it; now it waits for the release
-            assert time.monotonic() < deadline, "close() did not stop the watcher"
-            await asyncio.sleep(0.01)  # pacing, not synchronisation
+        # close() stops the watcher, then waits for the release.
+        await _until(lambda: ledger._watcher is None, "close() to stop the watcher")
         proxies.cut()
         await closing
         assert not ledger.reachable  # the release failed
         assert ledger._watcher is None
-    await direct.close()
 
 
 async def test_renewing_a_released_lease_locally_does_not_bring_it_back(tmp_path: Path) -> None:
