@@ -198,9 +198,14 @@ class Discovery:
     ) -> None:
         urls = list(endpoints)
         timeout = min(MAX_FETCH_SECONDS, state.refresh_seconds)
-        results = await asyncio.gather(*(_fetch(session, url, timeout) for url in urls))
+        # An endpoint that fails in a way no one foresaw is one more error, never a round that
+        # stops short of publishing (which would keep the other endpoints' readings forever).
+        results = await asyncio.gather(
+            *(_fetch(session, url, timeout) for url in urls), return_exceptions=True
+        )
         now = self._clock()
-        for url, result in zip(urls, results, strict=True):
+        for url, outcome in zip(urls, results, strict=True):
+            result = _why(outcome) if isinstance(outcome, BaseException) else outcome
             endpoint = state.endpoints.setdefault(url, _Endpoint())
             if isinstance(result, EndpointCache):
                 if endpoint.error is not None:
@@ -287,10 +292,16 @@ async def _fetch(session: aiohttp.ClientSession, url: str, timeout: float) -> En
         ) as response:
             if response.status != 200:
                 return f"/metrics answered HTTP {response.status}"
-            text = await response.text()
+            body = await response.read()
     except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-        return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return _why(exc)
     try:
-        return parse_cache_config(text)
+        return parse_cache_config(body.decode())  # Prometheus's text format is UTF-8
+    except UnicodeDecodeError:
+        return "/metrics answered a body that is not UTF-8"
     except DiscoveryError as exc:
         return str(exc)
+
+
+def _why(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

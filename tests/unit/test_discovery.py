@@ -56,6 +56,7 @@ class FakeVllm:
 
     def __init__(self, text: str = REAL_METRICS) -> None:
         self.text = text
+        self.body: bytes | None = None  # sent instead of the text when set
         self.status = 200
         self.hits = 0
         self._runner: web.AppRunner | None = None
@@ -63,6 +64,8 @@ class FakeVllm:
 
     async def _metrics(self, _request: web.Request) -> web.Response:
         self.hits += 1
+        if self.body is not None:
+            return web.Response(body=self.body, status=self.status, content_type="text/plain")
         return web.Response(text=self.text, status=self.status, content_type="text/plain")
 
     async def start(self) -> None:
@@ -241,6 +244,32 @@ async def test_a_failing_endpoint_keeps_its_last_reading_for_a_bounded_time(
                 assert capacities.get("qwen") == PoolCapacity(63, 128)
                 assert discovery.unknown() == {}
                 assert any("recovered" in r.getMessage() for r in caplog.records)
+
+
+async def test_an_endpoint_answering_bytes_that_are_not_utf8_is_a_failing_endpoint(
+    tmp_path: Path,
+) -> None:
+    """A proxy's error page, say: it counts as failing, and the pool's capacity stops counting
+    the endpoint once its last reading is too old (it was kept forever)."""
+    clock = Clock()
+    async with fake_vllms(REAL_METRICS, REAL_METRICS) as (healthy, garbled):
+        capacities = Capacities()
+        policy = build(discovered_config(tmp_path, [healthy.url, garbled.url]))
+        discovery = Discovery(lambda: policy, capacities, clock=clock)
+        async with aiohttp.ClientSession() as session:
+            await discovery.refresh(session)
+            assert capacities.get("qwen") == PoolCapacity(126, 128)
+            garbled.body = b"\xff\xfe\x00garbage\x80"
+            for _ in range(STALE_AFTER_REFRESHES + 1):
+                clock.now += 10
+                await discovery.refresh(session)
+            assert capacities.get("qwen") == PoolCapacity(63, 128)  # the healthy one alone
+            await healthy.stop()
+            for _ in range(STALE_AFTER_REFRESHES + 1):
+                clock.now += 10
+                await discovery.refresh(session)
+            assert capacities.get("qwen") is None
+            assert "not UTF-8" in discovery.unknown()["qwen"]
 
 
 async def test_the_refresh_loop_follows_changes_and_stops(tmp_path: Path) -> None:
