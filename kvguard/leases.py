@@ -25,6 +25,11 @@ class LeaseKeeper:
     def hold(self, lease: Lease) -> None:
         self._open[lease.lease_id] = lease
 
+    def forget(self, lease_id: str) -> None:
+        """Stop holding a lease that someone else releases (an operator, through the admin API):
+        no renewal may record it again."""
+        self._open.pop(lease_id, None)
+
     def release(self, lease: Lease) -> None:
         """Start releasing `lease` if it is still held; never raises, never blocks."""
         if self._open.pop(lease.lease_id, None) is None:

@@ -108,7 +108,7 @@ class Service:
             processor,
             self.health,
             max(MIN_GRPC_MESSAGE_BYTES, 2 * config.server.max_body_bytes),
-            AdminService(lambda: self.policy, self.ledger, self.capacities)
+            AdminService(lambda: self.policy, self.ledger, self.capacities, self.keeper)
             if config.server.admin
             else None,
             reuse_port=config.server.workers > 1,
@@ -179,18 +179,22 @@ class Service:
         """Keep the gauges' view of the ledger and capacities current (the ledger is shared)."""
         view = self.metrics.view
         while True:
-            view.capacity_age_s = self.discovery.ages()
+            # Built anew each round: a pool that left the policy, a capacity no longer known and
+            # a ledger that could not be read show no value rather than their last one.
+            capacity, reserved, tenants = {}, {}, {}
             for name in list(self.policy.pools):
-                capacity = self.capacities.get(name)
-                if capacity is not None:
-                    view.capacity[name] = capacity.blocks
+                known = self.capacities.get(name)
+                if known is not None:
+                    capacity[name] = known.blocks
                 try:
                     usage = await self.ledger.usage(name)
                 except Exception:
                     self.metrics.record_ledger_error()
                     continue
-                view.reserved[name] = usage.reserved
-                view.tenants[name] = usage.tenants
+                reserved[name] = usage.reserved
+                tenants[name] = usage.tenants
+            view.capacity, view.reserved, view.tenants = capacity, reserved, tenants
+            view.capacity_age_s = self.discovery.ages()
             await asyncio.sleep(VIEW_REFRESH_S)
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import grpc
 
 from kvguard.capacity import Capacities
+from kvguard.leases import LeaseKeeper
 from kvguard.ledger import Ledger
 from kvguard.policy import Policy
 from kvguard.v1 import admin_pb2, admin_pb2_grpc
@@ -21,11 +22,16 @@ log = logging.getLogger(__name__)
 
 class AdminService(admin_pb2_grpc.AdminServiceServicer):
     def __init__(
-        self, policy: Callable[[], Policy], ledger: Ledger, capacities: Capacities
+        self,
+        policy: Callable[[], Policy],
+        ledger: Ledger,
+        capacities: Capacities,
+        keeper: LeaseKeeper,
     ) -> None:
         self._policy = policy
         self._ledger = ledger
         self._capacities = capacities
+        self._keeper = keeper
 
     async def GetUsage(
         self, request: admin_pb2.GetUsageRequest, context: grpc.aio.ServicerContext
@@ -71,6 +77,8 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         held = {i.lease.lease_id: i.lease for i in await self._ledger.leases(request.pool)}
         lease = held.get(request.lease_id)
         if lease is not None:
+            # Held by an open stream of this process: its renewals would record it again.
+            self._keeper.forget(lease.lease_id)
             await self._ledger.release(lease)
             log.warning(
                 "admin released lease %s in pool %s (%d blocks of tenant %s)",

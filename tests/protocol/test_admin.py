@@ -15,8 +15,9 @@ CHAT = {"model": "qwen", "messages": [{"role": "user", "content": "hello"}]}
 
 async def test_usage_and_release_through_the_admin_api(tmp_path: Path) -> None:
     async with running(tmp_path, admin=True) as (service, stub):
-        _, (_, first) = await exchange(stub, headers("/v1/chat/completions"), body(CHAT))
-        _, (_, second) = await exchange(
+        # Both streams stay open (their calls referenced) while the lease is released.
+        first_call, (_, first) = await exchange(stub, headers("/v1/chat/completions"), body(CHAT))
+        second_call, (_, second) = await exchange(
             stub, headers("/v1/chat/completions", tenant="other"), body(CHAT)
         )
         lease_id = set_headers(first.request_body.response)["x-kvguard-lease"]
@@ -40,6 +41,8 @@ async def test_usage_and_release_through_the_admin_api(tmp_path: Path) -> None:
             )
             assert answer.released
             assert await reserved(service) == others
+            await service.keeper.renew_all()  # its stream's renewal does not bring it back
+            assert await reserved(service) == others
             again = await admin.ReleaseLease(
                 admin_pb2.ReleaseLeaseRequest(pool="qwen", lease_id=lease_id)
             )
@@ -47,6 +50,7 @@ async def test_usage_and_release_through_the_admin_api(tmp_path: Path) -> None:
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await admin.ReleaseLease(admin_pb2.ReleaseLeaseRequest(pool="nope", lease_id="x"))
             assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        del first_call, second_call
 
 
 async def test_admin_api_is_off_unless_enabled(tmp_path: Path) -> None:

@@ -19,7 +19,9 @@ from pythonjsonlogger.json import JsonFormatter
 
 from kvguard.metrics import bounded_tenants
 from kvguard.telemetry import Providers
+from tests.conftest import kvguard_config, write_config
 from tests.protocol.harness import body, exchange, headers, running, wait_until
+from tests.unit.test_discovery import FakeVllm
 
 CHAT = {"model": "qwen", "messages": [{"role": "user", "content": "A secret prompt text"}]}
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -144,3 +146,38 @@ def test_tenant_gauge_cardinality_is_bounded() -> None:
     top = bounded_tenants(tenants, 3)
     assert top == {"t30": 30, "t29": 29, "t28": 28, "other": sum(range(1, 28))}
     assert bounded_tenants({"a": 1}, 3) == {"a": 1}
+
+
+def _by_pool(reader: InMemoryMetricReader, name: str) -> dict[str, Any]:
+    if reader.get_metrics_data() is None:
+        return {}
+    return {p.attributes["pool"]: p.value for p in points(reader, name)}
+
+
+async def test_gauges_drop_a_pool_that_left_the_policy_or_whose_capacity_is_unknown(
+    tmp_path: Path,
+) -> None:
+    """A gauge shows no value rather than a stale one: its last reading stayed forever."""
+    vllm = FakeVllm()
+    await vllm.start()
+    reader = InMemoryMetricReader()
+    providers = Providers(MeterProvider([reader]), None, None)
+    discovered = {"capacity": {"endpoints": [vllm.url], "refresh_seconds": 0.1}}
+    try:
+        async with running(tmp_path, providers=providers, pool=discovered, watch=True):
+
+            async def gauges(capacity: dict[str, Any], reserved: dict[str, Any]) -> bool:
+                return (
+                    _by_pool(reader, "kvguard_capacity_blocks") == capacity
+                    and _by_pool(reader, "kvguard_reserved_blocks") == reserved
+                )
+
+            await wait_until(lambda: gauges({"qwen": 63}, {"qwen": 0}))
+            await vllm.stop()  # its reading expires after three refreshes: capacity unknown
+            await wait_until(lambda: gauges({}, {"qwen": 0}))
+            data = kvguard_config()
+            data["pools"][0]["name"] = "qwen2"  # static capacity, 1000 blocks
+            write_config(tmp_path, data)
+            await wait_until(lambda: gauges({"qwen2": 1000}, {"qwen2": 0}))  # reloaded
+    finally:
+        await vllm.stop()
