@@ -153,7 +153,12 @@ class Admission:
         )
         prompt_total = decision.prompt_tokens = sum(prompt_tokens)
         limits = clamp(
-            kind, request.limits, identity.tier, pool.config.max_model_len, max(prompt_tokens)
+            kind,
+            request.limits,
+            identity.tier,
+            pool.config.max_model_len,
+            max(prompt_tokens),
+            request.min_tokens,
         )
         blocks = blocks_needed(prompt_tokens, limits.max_tokens, request.n, capacity.block_size)
         decision.blocks = blocks

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from kvguard.config import Tier
-from kvguard.errors import Code, Refusal
+from kvguard.errors import Code, Refusal, invalid
 from kvguard.request import LIMIT_FIELDS, Kind
 
 
@@ -18,10 +18,17 @@ class Limits:
 
 
 def clamp(
-    kind: Kind, sent: dict[str, int], tier: Tier, max_model_len: int, longest_prompt: int
+    kind: Kind,
+    sent: dict[str, int],
+    tier: Tier,
+    max_model_len: int,
+    longest_prompt: int,
+    min_tokens: int = 0,
 ) -> Limits:
     """Clamp each limit the client sent to the tier cap and to the context room left by the
-    longest prompt; inject `max_tokens` = the tier default when vLLM would read none."""
+    longest prompt; inject `max_tokens` = the tier default when vLLM would read none, or
+    `min_tokens` when that is more. vLLM refuses `min_tokens` above `max_tokens`: a request
+    whose `min_tokens` the limits cannot honour is refused here."""
     room = max_model_len - longest_prompt
     if room <= 0:
         raise Refusal(
@@ -37,9 +44,15 @@ def clamp(
         max_tokens = fields[read[0]]
         clamped = fields != sent
     else:
-        max_tokens = min(tier.default_max_tokens, room)
+        max_tokens = min(max(tier.default_max_tokens, min_tokens), ceiling)
         fields["max_tokens"] = max_tokens
         clamped = True
+    if min_tokens > max_tokens:
+        raise invalid(
+            f"'min_tokens' is {min_tokens}, above the {max_tokens} tokens this request may "
+            f"generate (this tenant's cap is {tier.max_tokens_cap}, the context leaves {room})",
+            "min_tokens",
+        )
     return Limits(fields, max_tokens, clamped)
 
 

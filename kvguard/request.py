@@ -38,6 +38,7 @@ class InferenceRequest:
     limits: dict[str, int]  # limit fields the client sent with a value
     # vLLM keeps this many prompt tokens (-1: as many as fit); None: no truncation.
     truncate_prompt_tokens: int | None = None
+    min_tokens: int = 0  # vLLM generates at least this many (it must not exceed max_tokens)
 
 
 def guarded_kind(path: str) -> Kind | None:
@@ -86,7 +87,7 @@ def parse(kind: Kind, raw: bytes) -> InferenceRequest:
         value = 0 if kind == "completion" and _echo_only(body, key) else _positive_int(body, key)
         if value is not None:
             limits[key] = value
-    return InferenceRequest(kind, model, body, n, limits, _truncation(body))
+    return InferenceRequest(kind, model, body, n, limits, _truncation(body), _min_tokens(body))
 
 
 def _holds_lone_surrogate(body: dict[str, Any]) -> bool:
@@ -109,6 +110,15 @@ def _echo_only(body: dict[str, Any], key: str) -> bool:
         return lax_bool(body.get("echo") or False, "echo")
     except TokenizerError as exc:
         raise invalid(str(exc), "echo") from None
+
+
+def _min_tokens(body: dict[str, Any]) -> int:
+    value = body.get("min_tokens")
+    if value is None:
+        return 0
+    if type(value) is not int or value < 0:
+        raise invalid("'min_tokens' must be a non-negative integer", "min_tokens")
+    return value
 
 
 def _truncation(body: dict[str, Any]) -> int | None:

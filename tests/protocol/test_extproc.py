@@ -156,6 +156,8 @@ async def test_completion_batch_counts_each_prompt(tmp_path: Path) -> None:
             None,
         ),
         (b'{"model": 7, "messages": [{"role": "user", "content": "hi"}]}', "model"),
+        ((HI + ', "min_tokens": -1}').encode(), "min_tokens"),
+        ((HI + ', "max_tokens": 100000, "min_tokens": 100000}').encode(), "min_tokens"),
         (b"\xff\xfe not utf-8", None),
         # Half a surrogate pair, escaped, in a field the body's rewrite re-encodes...
         ((HI + ', "user": "x\\ud800"}').encode(), None),

@@ -39,6 +39,29 @@ def test_a_limit_within_bounds_is_left_alone() -> None:
     assert limits.fields == {"max_tokens": 20} and not limits.clamped
 
 
+def test_an_injected_limit_honours_min_tokens_within_the_cap() -> None:
+    """vLLM refuses min_tokens above max_tokens: the tier default alone would break this."""
+    limits = clamp("chat", {}, TIER, 4096, 100, min_tokens=300)
+    assert limits.fields == {"max_tokens": 300} and limits.max_tokens == 300
+
+
+@pytest.mark.parametrize(
+    ("sent", "min_tokens"),
+    [({"max_tokens": 9000}, 600), ({}, 600), ({"max_tokens": 20}, 30)],
+)
+def test_min_tokens_the_limits_cannot_honour_is_refused(
+    sent: dict[str, int], min_tokens: int
+) -> None:
+    with pytest.raises(Refusal) as info:
+        clamp("chat", sent, TIER, 4096, 100, min_tokens=min_tokens)
+    assert (info.value.code, info.value.param) == (Code.INVALID_REQUEST, "min_tokens")
+
+
+def test_min_tokens_within_the_clamped_limit_passes() -> None:
+    limits = clamp("chat", {"max_tokens": 9000}, TIER, 4096, 100, min_tokens=512)
+    assert limits.max_tokens == 512
+
+
 @pytest.mark.parametrize("prompt", [1000, 1001])
 def test_prompt_reaching_max_model_len_is_refused(prompt: int) -> None:
     with pytest.raises(Refusal) as info:
