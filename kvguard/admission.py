@@ -58,11 +58,15 @@ class Decision:
     pool: str = ""
     prompt_tokens: int | None = None
     blocks: int | None = None
-    outcome: str = "refused"  # admitted | refused | shadow_refused
-    reason: str = ""  # the refusal code; "" when admitted
+    outcome: str = "refused"  # admitted | refused | shadow_refused | cancelled
+    reason: str = ""  # the refusal code; "" when admitted or cancelled
 
     def refused(self, code: Code) -> None:
         self.outcome, self.reason = "refused", code.value
+
+    def cancelled(self) -> None:
+        """The stream ended before its answer went out (the client left, or Envoy timed out)."""
+        self.outcome, self.reason = "cancelled", ""
 
     def attributes(self) -> dict[str, str | int]:
         out: dict[str, str | int] = {

@@ -129,6 +129,9 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
                 )
             except Refusal:
                 raise
+            except asyncio.CancelledError:
+                exchange.decision.cancelled()
+                raise
             except Exception:
                 exchange.decision.refused(Code.INTERNAL_ERROR)
                 raise

@@ -3,6 +3,7 @@ exporter, and a real scrape of the Prometheus endpoint."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from pathlib import Path
@@ -20,7 +21,7 @@ from pythonjsonlogger.json import JsonFormatter
 from kvguard.metrics import bounded_tenants
 from kvguard.telemetry import Providers
 from tests.conftest import kvguard_config, write_config
-from tests.protocol.harness import body, exchange, headers, running, wait_until
+from tests.protocol.harness import body, exchange, headers, reserved, running, wait_until
 from tests.unit.test_discovery import FakeVllm
 
 CHAT = {"model": "qwen", "messages": [{"role": "user", "content": "A secret prompt text"}]}
@@ -181,3 +182,32 @@ async def test_gauges_drop_a_pool_that_left_the_policy_or_whose_capacity_is_unkn
             await wait_until(lambda: gauges({"qwen2": 1000}, {"qwen2": 0}))  # reloaded
     finally:
         await vllm.stop()
+
+
+async def test_a_stream_that_ends_mid_decision_is_counted_as_cancelled(tmp_path: Path) -> None:
+    """Not as a refusal without a reason: no answer went out."""
+    reader = InMemoryMetricReader()
+    providers = Providers(MeterProvider([reader]), None, None)
+    async with running(tmp_path, providers=providers) as (service, stub):
+        counting = asyncio.Event()
+        count = service.counter.count
+
+        async def count_held(*args: Any, **kwargs: Any) -> Any:  # a long prompt, say
+            counting.set()
+            await asyncio.Event().wait()  # until the stream is gone
+            return await count(*args, **kwargs)
+
+        service.counter.count = count_held  # type: ignore[method-assign]
+        call = stub.Process()
+        await call.write(headers("/v1/chat/completions"))
+        await call.read()
+        await call.write(body(CHAT))
+        await counting.wait()
+        call.cancel()  # Envoy resets the stream
+
+        async def counted() -> bool:
+            return reader.get_metrics_data() is not None and bool(admissions(reader))
+
+        await wait_until(counted)
+        assert admissions(reader) == {("qwen", "pro", "cancelled", ""): 1}
+        assert await reserved(service) == 0
