@@ -120,6 +120,7 @@ class _Endpoint:
 @dataclass
 class _Pool:
     refresh_seconds: float
+    urls: frozenset[str] = frozenset()  # the endpoints the policy names now
     next_due: float = 0.0
     endpoints: dict[str, _Endpoint] = field(default_factory=dict)
     capacity: PoolCapacity | None = None
@@ -131,8 +132,10 @@ class Discovery:
     """Keeps `capacities` current for every pool of the policy configured with endpoints.
 
     `policy` is read on every round, so a reload that adds, drops or changes a discovered pool
-    takes effect within a second. Only discovered pools are touched: static ones are set by
-    whoever builds the policy.
+    takes effect within a second. Static capacities are set by whoever publishes the policy; a
+    pool that stops being discovered gets its static capacity (or none) back from here too, and
+    a reading that was in flight across a reload is published only if the pool still
+    discovers from the same endpoints.
     """
 
     def __init__(
@@ -177,6 +180,7 @@ class Discovery:
         wanted = self._discovered()
         for gone in [name for name in self._pools if name not in wanted]:
             del self._pools[gone]  # the policy dropped it or made it static
+            self._restore_static(gone)
         now = self._clock()
         rounds = []
         for name, (endpoints, refresh_seconds) in wanted.items():
@@ -185,6 +189,8 @@ class Discovery:
                 state = self._pools[name] = _Pool(refresh_seconds)
             elif state.refresh_seconds != refresh_seconds:
                 state.refresh_seconds, state.next_due = refresh_seconds, 0.0
+            if state.urls != frozenset(endpoints):
+                state.urls, state.next_due = frozenset(endpoints), 0.0
             for url in [u for u in state.endpoints if u not in endpoints]:
                 del state.endpoints[url]
             if only_due and now < state.next_due:
@@ -203,6 +209,9 @@ class Discovery:
         results = await asyncio.gather(
             *(_fetch(session, url, timeout) for url in urls), return_exceptions=True
         )
+        if not self._still_discovers(name, state, urls):
+            log.info("pool %s: a capacity reading from before a reload is dropped", name)
+            return
         now = self._clock()
         for url, outcome in zip(urls, results, strict=True):
             result = _why(outcome) if isinstance(outcome, BaseException) else outcome
@@ -228,6 +237,21 @@ class Discovery:
                     )
                 endpoint.error = result
         self._publish(name, state, now)
+
+    def _still_discovers(self, name: str, state: _Pool, urls: list[str]) -> bool:
+        """Whether the pool, in the policy of now, still discovers from exactly `urls` (a
+        reload during the fetch may have made it static, dropped it or changed its endpoints).
+        """
+        pool = self._policy().pools.get(name)
+        endpoints = pool.config.capacity.endpoints if pool is not None else None
+        return self._pools.get(name) is state and set(endpoints or []) == set(urls)
+
+    def _restore_static(self, name: str) -> None:
+        """A pool no longer discovered: its configured capacity stands (none if it is gone)."""
+        pool = self._policy().pools.get(name)
+        static = pool.static_capacity if pool is not None else None
+        if self._capacities.get(name) != static:
+            self._capacities.set(name, static)
 
     def _publish(self, name: str, state: _Pool, now: float) -> None:
         max_age = STALE_AFTER_REFRESHES * state.refresh_seconds

@@ -7,6 +7,7 @@ rules under a request in flight.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,23 +70,50 @@ def identify_request(policy: Policy, headers: Mapping[str, str]) -> Identity:
     return identity
 
 
-TokenizerCache = dict[tuple[str, str | None], PoolTokenizer]
+# A file as the tokenizer cache knows it: resolved path, inode, mtime (ns) and size; None when
+# absent. A ConfigMap update swaps the `..data` symlink, so the resolved path changes too.
+FileIdentity = tuple[str, int, int, int] | None
+TokenizerKey = tuple[str, str | None, tuple[FileIdentity, ...]]
+TokenizerCache = dict[TokenizerKey, PoolTokenizer]
 
 
 def build(config: Config, tokenizers: TokenizerCache | None = None) -> Policy:
     """Load every pool's tokenizer (reusing `tokenizers` entries) and snapshot the policy.
 
-    Raises whatever loading a tokenizer raises; the caller keeps its last good policy then.
+    An entry is reused only while its files are the same ones (by stat, nothing is read), so a
+    template or tokenizer changed at the same path is loaded again; entries the new policy does
+    not use are dropped. Raises whatever loading a tokenizer raises; the caller keeps its last
+    good policy then (and `tokenizers` keeps the entries that policy uses).
     """
     cache = {} if tokenizers is None else tokenizers
     pools: dict[str, PoolPolicy] = {}
+    used: set[TokenizerKey] = set()
     for pool in config.pools:
-        key = (pool.tokenizer, pool.chat_template)
+        # Stat before loading: a file that changes in between is loaded again next time.
+        key = tokenizer_key(pool)
         if key not in cache:
             cache[key] = PoolTokenizer.load(Path(pool.tokenizer), pool.chat_template)
+        used.add(key)
         capacity = None
         if pool.capacity.blocks is not None and pool.capacity.block_size is not None:
             capacity = PoolCapacity(pool.capacity.blocks, pool.capacity.block_size)
         pools[pool.name] = PoolPolicy(pool, cache[key], capacity)
+    for unused in [key for key in cache if key not in used]:
+        del cache[unused]
     by_model = {model: pools[p.name] for p in config.pools for model in p.models}
     return Policy(config.tenancy, config.shadow, pools, by_model)
+
+
+def tokenizer_key(pool: Pool) -> TokenizerKey:
+    """The pool's tokenizer paths as configured and the identity of each file loading reads."""
+    files = PoolTokenizer.files(pool.tokenizer, pool.chat_template)
+    return (pool.tokenizer, pool.chat_template, tuple(_identity(path) for path in files))
+
+
+def _identity(path: Path) -> FileIdentity:
+    try:
+        real = os.path.realpath(path)
+        st = os.stat(real)
+    except OSError:
+        return None  # loading says what is missing
+    return (real, st.st_ino, st.st_mtime_ns, st.st_size)

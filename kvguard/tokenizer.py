@@ -97,6 +97,14 @@ class PoolTokenizer:
         _add_missing_special_tokens(tokenizer, special, config)
         return cls(tokenizer, templates, special)
 
+    @staticmethod
+    def files(folder: str | Path, chat_template: str | Path | None = None) -> list[Path]:
+        """The files `load(folder, chat_template)` reads (some may be absent)."""
+        folder = Path(folder)
+        # Without an override, folder/chat_template.jinja (when present) is the template.
+        template = folder / "chat_template.jinja" if chat_template is None else Path(chat_template)
+        return [folder / "tokenizer.json", folder / "tokenizer_config.json", template]
+
     def render_chat(self, request: Mapping[str, Any]) -> str:
         """The prompt text vLLM renders for this chat.completions body. Raises TokenizerError."""
         return self.chat_prompt(request).text

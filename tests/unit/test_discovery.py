@@ -32,7 +32,7 @@ from kvguard.discovery import (
     parse_cache_config,
 )
 from kvguard.health import Health
-from kvguard.policy import build
+from kvguard.policy import TokenizerCache, build
 from kvguard.server import Service
 from kvguard.testing import free_port
 from tests.conftest import kvguard_config, write_config
@@ -59,11 +59,16 @@ class FakeVllm:
         self.body: bytes | None = None  # sent instead of the text when set
         self.status = 200
         self.hits = 0
+        self.arrived = asyncio.Event()  # set by each request
+        self.held: asyncio.Event | None = None  # when set, answers wait for it
         self._runner: web.AppRunner | None = None
         self.url = ""
 
     async def _metrics(self, _request: web.Request) -> web.Response:
         self.hits += 1
+        self.arrived.set()
+        if self.held is not None:
+            await self.held.wait()
         if self.body is not None:
             return web.Response(body=self.body, status=self.status, content_type="text/plain")
         return web.Response(text=self.text, status=self.status, content_type="text/plain")
@@ -76,7 +81,15 @@ class FakeVllm:
         await web.TCPSite(self._runner, "127.0.0.1", 0).start()
         self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
 
+    def hold(self) -> asyncio.Event:
+        """Answers from now on wait until the returned event is set."""
+        self.arrived.clear()
+        self.held = asyncio.Event()
+        return self.held
+
     async def stop(self) -> None:
+        if self.held is not None:
+            self.held.set()  # a test that failed while holding must not stall the cleanup
         if self._runner is not None:
             await self._runner.cleanup()
 
@@ -319,6 +332,97 @@ async def test_a_slow_endpoint_is_bounded_by_the_refresh_interval(tmp_path: Path
     finally:
         hang.set()
         await runner.cleanup()
+
+
+# --- reloads while a refresh is in flight ----------------------------------------------------
+
+
+async def test_a_reading_in_flight_when_a_reload_makes_the_pool_static_is_dropped(
+    tmp_path: Path,
+) -> None:
+    """The reading arrived after the reload and wrote 50 blocks of 128 over the configured
+    1000 blocks of 16, until the next reload."""
+    clock = Clock()
+    async with fake_vllms(with_labels(REAL_METRICS, num_gpu_blocks="51")) as (vllm,):
+        service = Service(discovered_config(tmp_path, [vllm.url]))
+        discovery = Discovery(lambda: service.policy, service.capacities, clock=clock)
+        static = PoolCapacity(1000, 16)
+        try:
+            async with aiohttp.ClientSession() as session:
+                await discovery.refresh(session)
+                assert service.capacities.get("qwen") == PoolCapacity(50, 128)
+                release = vllm.hold()
+                clock.now += 10
+                in_flight = asyncio.create_task(discovery.refresh(session, only_due=True))
+                await vllm.arrived.wait()
+                service.publish(build(configs.load(write_config(tmp_path, kvguard_config()))))
+                assert service.capacities.get("qwen") == static
+                release.set()
+                await in_flight
+                assert service.capacities.get("qwen") == static
+                await discovery.refresh(session)
+                assert service.capacities.get("qwen") == static
+                assert (discovery.unknown(), discovery.ages(), vllm.hits) == ({}, {}, 2)
+        finally:
+            await service.stop(0)
+
+
+async def test_a_reading_in_flight_when_a_reload_changes_the_endpoints_is_dropped(
+    tmp_path: Path,
+) -> None:
+    """Only the new endpoints count, and they are read at the next round, not when the old
+    refresh interval has passed."""
+    clock = Clock()
+    old_text = with_labels(REAL_METRICS, num_gpu_blocks="51")
+    new_text = with_labels(REAL_METRICS, num_gpu_blocks="11")
+    async with fake_vllms(old_text, new_text) as (old, new):
+        service = Service(discovered_config(tmp_path, [old.url]))
+        discovery = Discovery(lambda: service.policy, service.capacities, clock=clock)
+        try:
+            async with aiohttp.ClientSession() as session:
+                await discovery.refresh(session)
+                assert service.capacities.get("qwen") == PoolCapacity(50, 128)
+                old.text = with_labels(REAL_METRICS, num_gpu_blocks="101")
+                release = old.hold()
+                clock.now += 10
+                in_flight = asyncio.create_task(discovery.refresh(session, only_due=True))
+                await old.arrived.wait()
+                service.publish(build(discovered_config(tmp_path, [new.url])))
+                release.set()
+                await in_flight
+                assert service.capacities.get("qwen") == PoolCapacity(50, 128)  # not 100
+                await discovery.refresh(session, only_due=True)  # the clock has not moved
+                assert service.capacities.get("qwen") == PoolCapacity(10, 128)
+                assert (old.hits, new.hits) == (2, 1)
+        finally:
+            await service.stop(0)
+
+
+async def test_a_pool_no_longer_discovered_gets_its_configured_capacity_back(
+    tmp_path: Path,
+) -> None:
+    """Whoever publishes a policy sets its static capacities; a pool turned static or dropped
+    is also left with exactly what its configuration says (here no one else sets it)."""
+    async with fake_vllms(REAL_METRICS) as (vllm,):
+        capacities = Capacities()
+        tokenizers: TokenizerCache = {}  # one load for the four policies
+        policy = build(discovered_config(tmp_path, [vllm.url]), tokenizers)
+        discovery = Discovery(lambda: policy, capacities)
+        async with aiohttp.ClientSession() as session:
+            await discovery.refresh(session)
+            assert capacities.get("qwen") == PoolCapacity(63, 128)
+            policy = build(configs.load(write_config(tmp_path, kvguard_config())), tokenizers)
+            await discovery.refresh(session)
+            assert capacities.get("qwen") == PoolCapacity(1000, 16)
+
+            policy = build(discovered_config(tmp_path, [vllm.url]), tokenizers)
+            await discovery.refresh(session)
+            assert capacities.get("qwen") == PoolCapacity(63, 128)
+            data = kvguard_config()
+            data["pools"][0]["name"] = "renamed"
+            policy = build(configs.load(write_config(tmp_path, data)), tokenizers)
+            await discovery.refresh(session)
+            assert capacities.get("qwen") is None
 
 
 # --- the service: an unknown pool answers 503 without making the others unready ---------------
