@@ -116,6 +116,9 @@ def _ledger_status(path: str) -> int:
     except LedgerUnavailable as exc:
         print(f"error: {path}: ledger {redact(config.ledger.url)}: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # a URL the Redis client refuses (check-config lets most through)
+        print(f"error: {path}: ledger.url: {exc}", file=sys.stderr)
+        return 1
     print(render(config.ledger.url, config.ledger.cluster, statuses))
     return 0
 

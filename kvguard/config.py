@@ -10,15 +10,29 @@ Every error names the file and the dotted key, e.g.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import urllib.parse
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 PositiveInt = Annotated[int, Field(strict=True, gt=0)]
+
+# gRPC's message limits are twice max_body_bytes and a gRPC channel option is a C int.
+MAX_BODY_BYTES_LIMIT = (2**31 - 1) // 2
+# host:port, the host a name, an IPv4 address or a bracketed IPv6 address.
+_HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[\w.-]*):([0-9]{1,5})", re.ASCII)
 
 
 class ConfigError(Exception):
@@ -27,6 +41,19 @@ class ConfigError(Exception):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _listen_port(address: str, *, host_required: bool) -> int:
+    """The port of a `host:port` listen address (0: the kernel picks one); ValueError if it is
+    not one."""
+    match = _HOST_PORT.fullmatch(address)
+    if not match or (host_required and not match.group(1)):
+        form = "host:port" if host_required else "host:port or :port"
+        raise ValueError(f"{address!r} is not {form}")
+    port = int(match.group(2))
+    if port > 65535:
+        raise ValueError(f"{address!r}: the port must be from 0 to 65535")
+    return port
 
 
 class ServerSettings(_Strict):
@@ -39,6 +66,39 @@ class ServerSettings(_Strict):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     workers: Annotated[int, Field(strict=True, ge=1, le=64)] = 1
 
+    @field_validator("grpc_listen")
+    @classmethod
+    def _grpc_address(cls, value: str) -> str:
+        _listen_port(value, host_required=True)  # gRPC refuses an empty host
+        return value
+
+    @field_validator("metrics_listen")
+    @classmethod
+    def _metrics_address(cls, value: str) -> str:
+        if value:  # empty disables the exposition; an empty host means every interface
+            _listen_port(value, host_required=False)
+        return value
+
+    @field_validator("max_body_bytes")
+    @classmethod
+    def _fits_grpc(cls, value: int) -> int:
+        if value > MAX_BODY_BYTES_LIMIT:
+            raise ValueError(
+                f"at most {MAX_BODY_BYTES_LIMIT} (gRPC's message limit, twice this, "
+                "must fit in 32 bits)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _worker_metrics_ports(self) -> ServerSettings:
+        port = _listen_port(self.metrics_listen, host_required=False) if self.metrics_listen else 0
+        if port and port + self.workers - 1 > 65535:
+            raise ValueError(
+                f"metrics_listen: worker i serves port {port} + i, past 65535 with "
+                f"{self.workers} workers"
+            )
+        return self
+
 
 class LedgerSettings(_Strict):
     url: str = "memory://"
@@ -47,11 +107,31 @@ class LedgerSettings(_Strict):
     on_unavailable: Literal["reject", "allow", "local"] = "reject"
     replicas: PositiveInt = 1
 
+    @field_validator("url")
+    @classmethod
+    def _redis_url(cls, url: str) -> str:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("redis", "rediss"):
+            return url  # memory://, or a scheme the model check refuses
+        # The messages quote nothing: a password with '/', '?' or '#' spills into the rest.
+        address = parts.netloc.rpartition("@")[2]
+        if ":" in address.rpartition("]")[2]:  # a port, after any [IPv6] host
+            port = address.rpartition(":")[2]
+            if not re.fullmatch(r"[0-9]{1,5}", port) or not 0 < int(port) <= 65535:
+                raise ValueError(
+                    "the port must be a number from 1 to 65535 (in a password, "
+                    "'/', '?' and '#' must be percent-encoded)"
+                )
+        if not re.fullmatch(r"/?([0-9]+)?", parts.path):
+            raise ValueError("the path must be a database number, such as /0")
+        return url
+
     @model_validator(mode="after")
     def _known_scheme(self) -> LedgerSettings:
         scheme = self.url.split("://", 1)[0] if "://" in self.url else ""
         if scheme not in ("memory", "redis", "rediss"):
-            raise ValueError(f"url {self.url!r}: scheme must be memory://, redis:// or rediss://")
+            # The scheme alone: the rest of a URL may hold a password.
+            raise ValueError(f"url scheme {scheme!r}: it must be memory://, redis:// or rediss://")
         return self
 
 
@@ -202,29 +282,75 @@ def _location(loc: tuple[Any, ...]) -> str:
     return out or "(top level)"  # replaced by the key a model-level check names
 
 
-def _env_overrides(raw: dict[str, Any], environ: dict[str, str]) -> None:
-    """Apply KVGUARD_<SECTION>_<KEY> to the process settings, values parsed as YAML scalars."""
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: Any, line: int) -> None:
+        super().__init__(f"line {line}: duplicate key {key!r}")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """The safe loader, refusing a key given twice in one mapping (YAML would keep the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base` entries may be overridden, that is their purpose
+            key = self.construct_object(key_node, deep=True)
+            try:
+                duplicate = key in seen
+            except TypeError:
+                continue  # unhashable: the safe loader itself refuses it
+            if duplicate:
+                raise _DuplicateKey(key, key_node.start_mark.line + 1)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _is_text(annotation: Any) -> bool:
+    """A str field, or a Literal of strings."""
+    if get_origin(annotation) is Literal:
+        return all(isinstance(arg, str) for arg in get_args(annotation))
+    return annotation is str
+
+
+def _env_overrides(raw: dict[str, Any], environ: dict[str, str]) -> dict[str, str]:
+    """Apply KVGUARD_<SECTION>_<KEY> to the process settings; {"section.key": variable} of those
+    applied. A text setting takes the value as given (YAML would read `10:50` as 650 and cut
+    ` #x`); others read it as a YAML scalar (`60`, `true`), or as given if it is not YAML."""
+    applied: dict[str, str] = {}
     for section, model in (("server", ServerSettings), ("ledger", LedgerSettings)):
-        for key in model.model_fields:
-            value = environ.get(f"KVGUARD_{section}_{key}".upper())
-            if value is not None:
-                target = raw.setdefault(section, {})
-                if not isinstance(target, dict):
-                    return  # validation reports the wrong type
-                target[key] = yaml.safe_load(value) if value else ""
+        for key, field in model.model_fields.items():
+            name = f"KVGUARD_{section}_{key}".upper()
+            value = environ.get(name)
+            if value is None:
+                continue
+            target = raw.setdefault(section, {})
+            if not isinstance(target, dict):
+                return applied  # validation reports the wrong type
+            target[key] = value
+            if value and not _is_text(field.annotation):
+                # Not YAML: validation refuses the text, naming the key and the variable.
+                with contextlib.suppress(yaml.YAMLError, RecursionError):
+                    target[key] = yaml.safe_load(value)
+            applied[f"{section}.{key}"] = name
+    return applied
 
 
 def parse(text: str, source: str, environ: dict[str, str] | None = None) -> Config:
     """Parse and validate configuration text; `source` names it in errors."""
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader
+    except _DuplicateKey as exc:
+        raise ConfigError(f"{source}: {exc}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: not valid YAML: nested too deeply") from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the top level must be a mapping")
-    _env_overrides(raw, dict(os.environ) if environ is None else environ)
+    overridden = _env_overrides(raw, dict(os.environ) if environ is None else environ)
     try:
         config = Config.model_validate(raw)
     except ValidationError as exc:
@@ -236,6 +362,8 @@ def parse(text: str, source: str, environ: dict[str, str] | None = None) -> Conf
         if nested:
             key, message = nested.groups()
             location = key if location == "(top level)" else f"{location}.{key}"
+        if location in overridden:
+            message += f" (set by {overridden[location]})"
         raise ConfigError(f"{source}: {location}: {message}") from None
     # The folder as named, not resolved: a ConfigMap's file is a symlink into a versioned folder.
     base = Path(os.path.abspath(source)).parent
@@ -256,4 +384,9 @@ def load(path: str | Path, environ: dict[str, str] | None = None) -> Config:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        byte = exc.object[exc.start]
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte {byte:#04x} at offset {exc.start})"
+        ) from None
     return parse(text, str(path), environ)

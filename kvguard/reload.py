@@ -34,8 +34,9 @@ def signature(path: Path) -> Signature | None:
 
 class PolicyWatcher(Generic[T]):
     """For each change of `path` (seen within `interval_s`): `load(path)` in a worker thread
-    (read, validate, build: it may raise ConfigError, OSError or ValueError, and the last good
-    policy stays), then `publish(result)` on the loop. `on_result(applied)` once per change.
+    (read, validate, build), then `publish(result)` on the loop. If `load` raises (ConfigError,
+    OSError, ValueError, or anything else) the change is rejected and the last good policy
+    stays. `on_result(applied)` once per change.
     """
 
     def __init__(
@@ -66,11 +67,23 @@ class PolicyWatcher(Generic[T]):
         try:
             # Off the loop: a new pool's tokenizer takes a while to load.
             loaded = await asyncio.to_thread(self._load, self._path)
-        except (configs.ConfigError, OSError, ValueError) as exc:
-            message = str(exc) if isinstance(exc, configs.ConfigError) else f"{self._path}: {exc}"
-            log.error("configuration change rejected, keeping the last good policy: %s", message)
-            self._on_result(False)
-            return
-        self._publish(loaded)
-        log.info("configuration reloaded from %s", self._path)
-        self._on_result(True)
+        except configs.ConfigError as exc:
+            self._reject(str(exc))
+        except (OSError, ValueError) as exc:
+            self._reject(f"{self._path}: {exc}")
+        except Exception as exc:
+            # A RecursionError from a pathological file, or a bug: rejected all the same, since
+            # an exception escaping here would end the watcher and no later change would apply.
+            self._reject(f"{self._path}: {type(exc).__name__}: {exc}", traceback=True)
+        else:
+            self._publish(loaded)
+            log.info("configuration reloaded from %s", self._path)
+            self._on_result(True)
+
+    def _reject(self, message: str, *, traceback: bool = False) -> None:
+        log.error(
+            "configuration change rejected, keeping the last good policy: %s",
+            message,
+            exc_info=traceback,
+        )
+        self._on_result(False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import sys
 import time
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import yaml
 
 from kvguard.testing import free_port
 from kvguard.testing.envoy import EnvoyProcess, loopback_config
@@ -32,11 +34,19 @@ def kvguard(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvguard", *args]
 
 
-async def run(*args: str) -> tuple[int, str, str]:
+async def run(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
     process = await asyncio.create_subprocess_exec(
-        *kvguard(*args), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        *kvguard(*args),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=None if env is None else {**os.environ, **env},
     )
-    out, err = await process.communicate()
+    try:
+        out, err = await asyncio.wait_for(process.communicate(), 60)
+    except TimeoutError:
+        process.kill()
+        await process.wait()
+        raise
     assert process.returncode is not None
     return process.returncode, out.decode(), err.decode()
 
@@ -64,6 +74,74 @@ async def test_check_config_reports_a_missing_tokenizer(tmp_path: Path) -> None:
     code, _, err = await run("check-config", str(write_config(tmp_path, data)))
     assert code == 1
     assert "nowhere" in err
+
+
+def _bad_config(folder: Path, case: str) -> tuple[Path, dict[str, str]]:
+    """A configuration file (and environment) that `case` makes unusable."""
+    data = kvguard_config()
+    env: dict[str, str] = {}
+    text = None
+    if case == "not_utf8":
+        text = yaml.safe_dump(data).encode() + b"shadow: \xff\n"
+    elif case == "duplicate_key":
+        text = (yaml.safe_dump(data, sort_keys=False) + "shadow: true\n").encode()
+    elif case == "env_not_yaml":
+        env["KVGUARD_SERVER_GRPC_LISTEN"] = "*:50051"
+    elif case == "max_body_bytes":
+        data["server"]["max_body_bytes"] = 2**30
+    elif case == "metrics_port":
+        data["server"]["metrics_listen"] = "127.0.0.1:99999"
+    elif case == "metrics_address":
+        data["server"]["metrics_listen"] = "nonsense"
+    elif case == "redis_port":
+        data["ledger"]["url"] = "redis://127.0.0.1:notaport/0"
+    path = write_config(folder, data)
+    if text is not None:
+        path.write_bytes(text)
+    return path, env
+
+
+BAD_INPUT = {
+    "not_utf8": "not UTF-8 text (byte 0xff at offset {offset})",
+    "duplicate_key": "line {line}: duplicate key 'shadow'",
+    "env_not_yaml": (
+        "server.grpc_listen: '*:50051' is not host:port (set by KVGUARD_SERVER_GRPC_LISTEN)"
+    ),
+    "max_body_bytes": (
+        "server.max_body_bytes: at most 1073741823 (gRPC's message limit, twice this, must fit "
+        "in 32 bits)"
+    ),
+    "metrics_port": "server.metrics_listen: '127.0.0.1:99999': the port must be from 0 to 65535",
+    "metrics_address": "server.metrics_listen: 'nonsense' is not host:port or :port",
+    "redis_port": (
+        "ledger.url: the port must be a number from 1 to 65535 (in a password, '/', '?' and '#' "
+        "must be percent-encoded)"
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUT)
+async def test_every_command_refuses_bad_input_in_one_line(tmp_path: Path, case: str) -> None:
+    path, env = _bad_config(tmp_path, case)
+    raw = path.read_bytes()
+    expected = BAD_INPUT[case].format(
+        offset=raw.find(b"\xff"), line=raw.decode(errors="replace").count("\n")
+    )
+    commands = [("check-config", str(path)), ("serve", "--config", str(path))]
+    commands.append(("ledger", "status", "--config", str(path)))
+    for code, _, err in await asyncio.gather(*(run(*c, env=env) for c in commands)):
+        assert (code, err) == (1, f"error: {path}: {expected}\n")
+
+
+async def test_ledger_status_reports_a_url_the_redis_client_refuses(tmp_path: Path) -> None:
+    data = kvguard_config()
+    data["ledger"]["url"] = "redis://127.0.0.1:6379/0?socket_timeout=soon"
+    path = write_config(tmp_path, data)
+    code, _, err = await run("ledger", "status", "--config", str(path))
+    assert (code, err) == (
+        1,
+        f"error: {path}: ledger.url: Invalid value for 'socket_timeout' in connection URL.\n",
+    )
 
 
 async def test_serve_admits_through_envoy_and_exits_0_on_sigterm(tmp_path: Path) -> None:

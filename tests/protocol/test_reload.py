@@ -3,6 +3,8 @@ one keeps the last good policy, is logged with file and key, and is counted."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -17,6 +19,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from kvguard import config as configs
+from kvguard.reload import PolicyWatcher
 from kvguard.server import Service
 from kvguard.telemetry import Providers
 from tests.conftest import kvguard_config
@@ -97,3 +100,43 @@ async def test_configmap_swap_applies_and_a_bad_change_keeps_the_last_good_polic
     finally:
         await channel.close()
         await service.stop(0)
+
+
+async def test_a_change_whose_load_raises_anything_is_rejected_and_watching_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "kvguard.yaml"
+    path.write_text("v1")
+    published: list[str] = []
+    results: list[bool] = []
+
+    def load(changed: Path) -> str:
+        text = changed.read_text()
+        if text == "v2, a file the loader chokes on":
+            raise RecursionError("maximum recursion depth exceeded")  # not a ConfigError
+        return text
+
+    watcher = PolicyWatcher(path, load, published.append, results.append, interval_s=0.01)
+    caplog.set_level(logging.ERROR, logger="kvguard.reload")
+    task = asyncio.create_task(watcher.run())
+    try:
+        path.write_text("v2, a file the loader chokes on")
+
+        async def rejected() -> bool:
+            assert not task.done(), "the watcher ended"
+            return results == [False]
+
+        await wait_until(rejected)
+        assert published == []
+        assert f"{path}: RecursionError: maximum recursion depth exceeded" in caplog.text
+        path.write_text("v3, a good one")
+
+        async def applied() -> bool:
+            return results == [False, True]
+
+        await wait_until(applied)
+        assert published == ["v3, a good one"]
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

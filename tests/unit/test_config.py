@@ -62,3 +62,67 @@ def test_environment_override_is_validated_too(tmp_path: Path) -> None:
     path.write_text(GOOD_POOL)
     with pytest.raises(config.ConfigError, match=r"ledger.lease_seconds: Input should be"):
         config.load(path, environ={"KVGUARD_LEDGER_LEASE_SECONDS": "soon"})
+
+
+def test_a_file_that_is_not_utf8_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "kvguard.yaml"
+    path.write_bytes(GOOD_POOL.encode() + b"shadow: \xff\n")
+    with pytest.raises(config.ConfigError) as info:
+        config.load(path, environ={})
+    offset = len(GOOD_POOL.encode()) + len("shadow: ")
+    assert str(info.value) == f"{path}: not UTF-8 text (byte 0xff at offset {offset})"
+
+
+def test_a_merge_key_may_be_overridden(tmp_path: Path) -> None:
+    path = tmp_path / "kvguard.yaml"
+    path.write_text(
+        GOOD_POOL + "tenancy:\n  tiers:\n"
+        "    free: &free {max_tokens_cap: 64, default_max_tokens: 32, max_blocks: 40}\n"
+        "    pro: {<<: *free, max_blocks: 400}\n"
+    )
+    tiers = config.load(path, environ={}).tenancy.tiers
+    assert tiers["pro"].max_blocks == 400 and tiers["pro"].max_tokens_cap == 64
+
+
+def test_text_settings_take_the_environment_value_as_given(tmp_path: Path) -> None:
+    path = tmp_path / "kvguard.yaml"
+    path.write_text(GOOD_POOL)
+    env = {
+        "KVGUARD_SERVER_GRPC_LISTEN": "[::]:50051",  # a YAML flow sequence
+        "KVGUARD_SERVER_OTLP_ENDPOINT": "10:50",  # YAML 1.1: the integer 650
+        "KVGUARD_SERVER_ADMIN": "true",  # numbers and booleans are still read as YAML
+        "KVGUARD_LEDGER_LEASE_SECONDS": "60",
+    }
+    loaded = config.load(path, environ=env)
+    assert loaded.server.grpc_listen == "[::]:50051"
+    assert loaded.server.otlp_endpoint == "10:50"
+    assert loaded.server.admin is True and loaded.ledger.lease_seconds == 60
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "error"),
+    [
+        ("KVGUARD_SERVER_GRPC_LISTEN", "*:50051", "server.grpc_listen: '*:50051' is not host:port"),
+        (
+            "KVGUARD_SERVER_DRAIN_SECONDS",
+            "@1",  # not YAML
+            "server.drain_seconds: Input should be a valid number, unable to parse string as a "
+            "number",
+        ),
+        ("KVGUARD_SERVER_WORKERS", "[" * 5000, "server.workers: Input should be a valid integer"),
+        (
+            "KVGUARD_LEDGER_URL",
+            "redis://:p #w@redis:6379/0",  # the '#' ends the URL's host part: port "p "
+            "ledger.url: the port must be a number from 1 to 65535 (in a password, '/', '?' "
+            "and '#' must be percent-encoded)",
+        ),
+    ],
+)
+def test_a_bad_environment_value_names_the_key_and_the_variable(
+    tmp_path: Path, variable: str, value: str, error: str
+) -> None:
+    path = tmp_path / "kvguard.yaml"
+    path.write_text(GOOD_POOL)
+    with pytest.raises(config.ConfigError) as info:
+        config.load(path, environ={variable: value})
+    assert str(info.value) == f"{path}: {error} (set by {variable})"
