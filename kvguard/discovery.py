@@ -132,10 +132,9 @@ class Discovery:
     """Keeps `capacities` current for every pool of the policy configured with endpoints.
 
     `policy` is read on every round, so a reload that adds, drops or changes a discovered pool
-    takes effect within a second. Static capacities are set by whoever publishes the policy; a
-    pool that stops being discovered gets its static capacity (or none) back from here too, and
-    a reading that was in flight across a reload is published only if the pool still
-    discovers from the same endpoints.
+    takes effect within a second. Static capacities are set by whoever publishes the policy
+    (Service.publish); a reading that was in flight across a reload is published only if the
+    pool still discovers from the same endpoints, so it never overwrites them.
     """
 
     def __init__(
@@ -180,7 +179,6 @@ class Discovery:
         wanted = self._discovered()
         for gone in [name for name in self._pools if name not in wanted]:
             del self._pools[gone]  # the policy dropped it or made it static
-            self._restore_static(gone)
         now = self._clock()
         rounds = []
         for name, (endpoints, refresh_seconds) in wanted.items():
@@ -245,13 +243,6 @@ class Discovery:
         pool = self._policy().pools.get(name)
         endpoints = pool.config.capacity.endpoints if pool is not None else None
         return self._pools.get(name) is state and set(endpoints or []) == set(urls)
-
-    def _restore_static(self, name: str) -> None:
-        """A pool no longer discovered: its configured capacity stands (none if it is gone)."""
-        pool = self._policy().pools.get(name)
-        static = pool.static_capacity if pool is not None else None
-        if self._capacities.get(name) != static:
-            self._capacities.set(name, static)
 
     def _publish(self, name: str, state: _Pool, now: float) -> None:
         max_age = STALE_AFTER_REFRESHES * state.refresh_seconds

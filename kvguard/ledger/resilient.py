@@ -144,8 +144,7 @@ class ResilientLedger:
                 self._went_down(exc)
         if local_only and lease.lease_id not in self._maybe_in_redis:
             return  # it never reached Redis
-        self._count_error()
-        self._unreleased[lease.lease_id] = lease
+        self._keep_for_replay(lease)
 
     async def renew(self, lease: Lease, lease_seconds: float) -> bool:
         if self.reachable:
@@ -217,9 +216,12 @@ class ResilientLedger:
             self.on_error()
 
     def _release_lost(self, lease: Lease, exc: LedgerUnavailable) -> None:
-        """A cancelled reserve's release could not reach Redis: kept and replayed, as release()
-        keeps its own."""
+        """A cancelled reserve's release could not reach Redis: kept, as release() keeps its own."""
         self._went_down(exc)
+        self._keep_for_replay(lease)
+
+    def _keep_for_replay(self, lease: Lease) -> None:
+        """A release that could not reach Redis: counted, and replayed on recovery."""
         self._count_error()
         self._unreleased[lease.lease_id] = lease
 

@@ -401,28 +401,32 @@ async def test_a_reading_in_flight_when_a_reload_changes_the_endpoints_is_droppe
 async def test_a_pool_no_longer_discovered_gets_its_configured_capacity_back(
     tmp_path: Path,
 ) -> None:
-    """Whoever publishes a policy sets its static capacities; a pool turned static or dropped
-    is also left with exactly what its configuration says (here no one else sets it)."""
+    """Service.publish sets a published policy's static capacities and drops gone pools;
+    discovery, reading the same policy, leaves a pool turned static or dropped as published."""
     async with fake_vllms(REAL_METRICS) as (vllm,):
-        capacities = Capacities()
         tokenizers: TokenizerCache = {}  # one load for the four policies
-        policy = build(discovered_config(tmp_path, [vllm.url]), tokenizers)
-        discovery = Discovery(lambda: policy, capacities)
-        async with aiohttp.ClientSession() as session:
-            await discovery.refresh(session)
-            assert capacities.get("qwen") == PoolCapacity(63, 128)
-            policy = build(configs.load(write_config(tmp_path, kvguard_config())), tokenizers)
-            await discovery.refresh(session)
-            assert capacities.get("qwen") == PoolCapacity(1000, 16)
+        service = Service(discovered_config(tmp_path, [vllm.url]))
+        capacities = service.capacities
+        discovery = Discovery(lambda: service.policy, capacities)
+        try:
+            async with aiohttp.ClientSession() as session:
+                await discovery.refresh(session)
+                assert capacities.get("qwen") == PoolCapacity(63, 128)
+                config = configs.load(write_config(tmp_path, kvguard_config()))
+                service.publish(build(config, tokenizers))
+                await discovery.refresh(session)
+                assert capacities.get("qwen") == PoolCapacity(1000, 16)
 
-            policy = build(discovered_config(tmp_path, [vllm.url]), tokenizers)
-            await discovery.refresh(session)
-            assert capacities.get("qwen") == PoolCapacity(63, 128)
-            data = kvguard_config()
-            data["pools"][0]["name"] = "renamed"
-            policy = build(configs.load(write_config(tmp_path, data)), tokenizers)
-            await discovery.refresh(session)
-            assert capacities.get("qwen") is None
+                service.publish(build(discovered_config(tmp_path, [vllm.url]), tokenizers))
+                await discovery.refresh(session)
+                assert capacities.get("qwen") == PoolCapacity(63, 128)
+                data = kvguard_config()
+                data["pools"][0]["name"] = "renamed"
+                service.publish(build(configs.load(write_config(tmp_path, data)), tokenizers))
+                await discovery.refresh(session)
+                assert capacities.get("qwen") is None
+        finally:
+            await service.stop(0)
 
 
 # --- the service: an unknown pool answers 503 without making the others unready ---------------
