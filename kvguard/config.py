@@ -157,6 +157,8 @@ class Tenancy(_Strict):
         "pro": Tier(max_tokens_cap=4096, default_max_tokens=1024, max_blocks=20000),
     }
     tenants: dict[str, str] = {}
+    # Tell clients the output limit their request ran with (`x-kvguard-max-tokens`).
+    expose_limit_header: bool = False
 
     @model_validator(mode="after")
     def _tiers_exist(self) -> Tenancy:
