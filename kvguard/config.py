@@ -4,18 +4,21 @@
 environment variables override them). `tenancy`, `pools` and `shadow` are the admission policy,
 an immutable snapshot that a request reads once.
 
-Every error names the file and the dotted key, e.g.
-``kvguard.yaml: pools[0].capacity.blocks: Input should be greater than 0``.
+Every error names the file, the dotted key and, where the file has it, its line, e.g.
+``kvguard.yaml: pools[0].capacity.blocks: Input should be greater than 0 (line 12)``; a file
+with several errors gets them all, one a line.
 """
 
 from __future__ import annotations
 
 import contextlib
+import difflib
 import os
 import re
+import types
 import urllib.parse
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -36,7 +39,18 @@ _HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[\w.-]*):([0-9]{1,5})", re.ASCII)
 
 
 class ConfigError(Exception):
-    """A configuration that cannot be used; the message names the file and the key."""
+    """A configuration that cannot be used: `problems` holds one line per error, each naming
+    the file and the key; the message is those lines."""
+
+    def __init__(self, *problems: str) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = list(problems)
+
+
+def _raise_all(problems: list[str]) -> None:
+    """A model check's problems, each "key: message", as one error that `parse` splits."""
+    if problems:
+        raise ValueError("\n".join(problems))
 
 
 class _Strict(BaseModel):
@@ -151,7 +165,7 @@ class Tenancy(_Strict):
     identity: Literal["header", "api_key"] = "header"
     header: str = "x-tenant-id"
     api_keys: dict[str, str] = {}
-    default_tier: str | None = "free"
+    default_tier: str | None = None  # None: unknown tenants get 401 unknown_tenant
     tiers: dict[str, Tier] = {
         "free": Tier(max_tokens_cap=512, default_max_tokens=256, max_blocks=2000),
         "pro": Tier(max_tokens_cap=4096, default_max_tokens=1024, max_blocks=20000),
@@ -162,20 +176,22 @@ class Tenancy(_Strict):
 
     @model_validator(mode="after")
     def _tiers_exist(self) -> Tenancy:
+        problems = []
         if not self.tiers:
-            raise ValueError("tiers: at least one tier is required")
+            problems.append("tiers: at least one tier is required")
         if self.default_tier is not None and self.default_tier not in self.tiers:
-            raise ValueError(f"default_tier: unknown tier {self.default_tier!r}")
+            problems.append(f"default_tier: unknown tier {self.default_tier!r}")
         for tenant, tier in self.tenants.items():
             if tier not in self.tiers:
-                raise ValueError(f"tenants.{tenant}: unknown tier {tier!r}")
+                problems.append(f"tenants.{tenant}: unknown tier {tier!r}")
         for key_hash, tier_tenant in self.api_keys.items():
             if not re.fullmatch(r"[0-9a-f]{64}", key_hash):
-                raise ValueError(f"api_keys.{key_hash}: must be a lowercase sha256 hex digest")
-            if not tier_tenant:
-                raise ValueError(f"api_keys.{key_hash}: tenant must not be empty")
+                problems.append(f"api_keys.{key_hash}: must be a lowercase sha256 hex digest")
+            elif not tier_tenant:
+                problems.append(f"api_keys.{key_hash}: tenant must not be empty")
         if self.header != self.header.lower() or not self.header:
-            raise ValueError("header: must be a non-empty lowercase header name")
+            problems.append("header: must be a non-empty lowercase header name")
+        _raise_all(problems)
         return self
 
     def tier_of(self, tenant: str) -> str | None:
@@ -257,31 +273,143 @@ class Config(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _local_share_per_process(self) -> Config:
+        # `local` gives each process capacity/replicas: fewer replicas than this process's
+        # workers would let the workers together admit more than the pool.
+        ledger, workers = self.ledger, self.server.workers
+        if ledger.on_unavailable == "local" and ledger.replicas < workers:
+            raise ValueError(
+                f"ledger.replicas: {ledger.replicas} is below server.workers ({workers}); "
+                "on_unavailable: local admits capacity/replicas in each process, so count every "
+                "process: replicas = pods x workers"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _unique_names(self) -> Config:
+        problems = []
         seen_pools: set[str] = set()
         seen_models: dict[str, str] = {}
         for i, pool in enumerate(self.pools):
             if pool.name in seen_pools:
-                raise ValueError(f"pools[{i}].name: duplicate pool name {pool.name!r}")
+                problems.append(f"pools[{i}].name: duplicate pool name {pool.name!r}")
             seen_pools.add(pool.name)
             for model in pool.models:
                 if model in seen_models:
-                    raise ValueError(
+                    problems.append(
                         f"pools[{i}].models: {model!r} is already served by pool "
                         f"{seen_models[model]!r}"
                     )
-                seen_models[model] = pool.name
+                else:
+                    seen_models[model] = pool.name
+        _raise_all(problems)
         return self
 
 
-def _location(loc: tuple[Any, ...]) -> str:
+Key = tuple[str | int, ...]  # a path into the configuration, as pydantic locates errors
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+def _key_path(loc: tuple[Any, ...]) -> Key:
+    """A pydantic error location without the names of validators and union members."""
+    return tuple(
+        part
+        for part in loc
+        if isinstance(part, int)
+        or not (str(part).startswith("function-") or str(part) in {"int", "float"})
+    )
+
+
+def _dotted(path: Key) -> str:
     out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif not str(part).startswith("function-") and str(part) not in {"int", "float"}:
-            out += ("." if out else "") + str(part)
-    return out or "(top level)"  # replaced by the key a model-level check names
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else ("." if out else "") + part
+    return out
+
+
+def _parse_dotted(key: str) -> Key:
+    return tuple(
+        int(index) if index else name for index, name in re.findall(r"\[(\d+)\]|([^.\[\]]+)", key)
+    )
+
+
+def _key_lines(root: yaml.Node) -> dict[Key, int]:
+    """The line (from 1) of each key and list item of a composed YAML document. A mapping's
+    merged keys (`<<: *base`) are where the anchor gave them, its own keys override them."""
+    lines: dict[Key, int] = {}
+    stack: list[tuple[Key, yaml.Node, frozenset[int]]] = [((), root, frozenset())]
+    while stack:
+        path, node, above = stack.pop()
+        if id(node) in above:
+            continue  # a recursive alias
+        above |= {id(node)}
+        children: dict[str | int, tuple[yaml.Node, yaml.Node]] = {}
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:  # flattened by construction: merged pairs first
+                if isinstance(key, yaml.ScalarNode) and key.tag != _MERGE_TAG:
+                    children[key.value] = (key, value)
+        elif isinstance(node, yaml.SequenceNode):
+            children = {i: (item, item) for i, item in enumerate(node.value)}
+        for part, (mark, value) in children.items():
+            lines[(*path, part)] = mark.start_mark.line + 1
+            stack.append(((*path, part), value, above))
+    return lines
+
+
+def _line_of(path: Key, lines: dict[Key, int]) -> int | None:
+    """The line of the key at `path`, else of its nearest enclosing key that the file has (a
+    missing key belongs there); None at the top level."""
+    for end in range(len(path), 0, -1):
+        if path[:end] in lines:
+            return lines[path[:end]]
+    return None
+
+
+def _accepted_keys(path: Key) -> list[str]:
+    """The keys the model at `path` accepts; [] where no model is."""
+    annotation: Any = Config
+    for part in path:
+        if get_origin(annotation) in (types.UnionType, Union):
+            members = [a for a in get_args(annotation) if a is not type(None)]
+            annotation = members[0] if len(members) == 1 else None
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            field = annotation.model_fields.get(part) if isinstance(part, str) else None
+            annotation = field.annotation if field else None
+        elif get_origin(annotation) is list and isinstance(part, int):
+            annotation = get_args(annotation)[0]
+        elif get_origin(annotation) is dict and isinstance(part, str):
+            annotation = get_args(annotation)[1]
+        else:
+            return []
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return list(annotation.model_fields)
+    return []
+
+
+def _problems(
+    error: Any, source: str, lines: dict[Key, int], overridden: dict[str, str]
+) -> list[str]:
+    """One line per problem of a pydantic error: `source: key: message (line N)`."""
+    base = _key_path(tuple(error["loc"]))
+    message = str(error["msg"]).removeprefix("Value error, ")
+    if error["type"] == "extra_forbidden" and base and isinstance(base[-1], str):
+        close = difflib.get_close_matches(base[-1], _accepted_keys(base[:-1]), n=1)
+        if close:
+            message += f"; did you mean {close[0]!r}?"
+    out = []
+    for text in message.split("\n"):
+        path = base
+        # A model-level check names its own key first ("tenants.acme: ..."): join the two.
+        nested = re.match(r"([\w.\[\]-]+): (.*)", text, re.DOTALL)
+        if nested:
+            path, text = (*base, *_parse_dotted(nested.group(1))), nested.group(2)
+        location = _dotted(path) or "(top level)"
+        if location in overridden:
+            text += f" (set by {overridden[location]})"
+        elif (line := _line_of(path, lines)) is not None:
+            text += f" (line {line})"
+        out.append(f"{source}: {location}: {text}")
+    return out
 
 
 class _DuplicateKey(yaml.YAMLError):
@@ -338,10 +466,23 @@ def _env_overrides(raw: dict[str, Any], environ: dict[str, str]) -> dict[str, st
     return applied
 
 
-def parse(text: str, source: str, environ: dict[str, str] | None = None) -> Config:
-    """Parse and validate configuration text; `source` names it in errors."""
+def _read_yaml(text: str) -> tuple[Any, dict[Key, int]]:
+    """The document and the line of each of its keys; raises yaml.YAMLError, RecursionError."""
+    loader = _UniqueKeyLoader(text)  # a SafeLoader
     try:
-        raw = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader
+        node = loader.get_single_node()
+        if node is None:
+            return None, {}
+        return loader.construct_document(node), _key_lines(node)
+    finally:
+        loader.dispose()
+
+
+def parse(text: str, source: str, environ: dict[str, str] | None = None) -> Config:
+    """Parse and validate configuration text; `source` names it in errors. Raises ConfigError
+    with every problem pydantic finds."""
+    try:
+        raw, lines = _read_yaml(text)
     except _DuplicateKey as exc:
         raise ConfigError(f"{source}: {exc}") from None
     except yaml.YAMLError as exc:
@@ -356,17 +497,8 @@ def parse(text: str, source: str, environ: dict[str, str] | None = None) -> Conf
     try:
         config = Config.model_validate(raw)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        message = str(first["msg"]).removeprefix("Value error, ")
-        location = _location(tuple(first["loc"]))
-        # A model-level check names its own key first ("tenants.acme: ..."): join the two.
-        nested = re.match(r"([\w.\[\]-]+): (.*)", message, re.DOTALL)
-        if nested:
-            key, message = nested.groups()
-            location = key if location == "(top level)" else f"{location}.{key}"
-        if location in overridden:
-            message += f" (set by {overridden[location]})"
-        raise ConfigError(f"{source}: {location}: {message}") from None
+        problems = [p for e in exc.errors() for p in _problems(e, source, lines, overridden)]
+        raise ConfigError(*problems) from None
     # The folder as named, not resolved: a ConfigMap's file is a symlink into a versioned folder.
     base = Path(os.path.abspath(source)).parent
     return config.model_copy(update={"pools": [_resolve_paths(p, base) for p in config.pools]})

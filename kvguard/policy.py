@@ -15,6 +15,7 @@ from pathlib import Path
 from kvguard.capacity import PoolCapacity
 from kvguard.config import Config, Pool, Tenancy, Tier
 from kvguard.errors import Code, Refusal
+from kvguard.estimate import blocks_needed, clamp, pool_limit
 from kvguard.tokenizer import PoolTokenizer
 
 
@@ -117,3 +118,44 @@ def _identity(path: Path) -> FileIdentity:
     except OSError:
         return None  # loading says what is missing
     return (real, st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+def warnings(config: Config) -> list[str]:
+    """Settings that validate but can never admit what they seem to: "key: why" lines.
+
+    Only pools with static capacity are judged (a discovered capacity is not known here): a
+    tier whose request without a limit (one prompt token + the injected default) needs more
+    blocks than the tier's quota or the pool's limit allows, so every such request is refused;
+    and a tier quota at or above every pool's limit, which then never binds.
+    """
+    out = []
+    static = [p for p in config.pools if p.capacity.blocks and p.capacity.block_size]
+    limits = {p.name: pool_limit(p.capacity.blocks or 0, p.watermark) for p in static}
+    for name, tier in config.tenancy.tiers.items():
+        key = f"tenancy.tiers.{name}"
+        for pool in static:
+            try:
+                max_tokens = clamp("chat", {}, tier, pool.max_model_len, 1).max_tokens
+            except Refusal:
+                continue  # max_model_len 1: every prompt is refused as too long anyway
+            need = blocks_needed([1], max_tokens, 1, pool.capacity.block_size or 1)
+            bound, what = min(
+                (tier.max_blocks, "this tier's max_blocks"),
+                (limits[pool.name], "the pool's limit, capacity x (1 - watermark)"),
+            )
+            if need > bound:
+                out.append(
+                    f"{key}.default_max_tokens: in pool {pool.name}, a request without "
+                    f"max_tokens gets {max_tokens} and needs at least {need} blocks, more than "
+                    f"{what} ({bound}): every such request is refused (400 "
+                    "request_exceeds_capacity)"
+                )
+        if static and len(static) == len(config.pools):
+            widest = max(static, key=lambda p: limits[p.name])
+            if tier.max_blocks >= limits[widest.name]:
+                out.append(
+                    f"{key}.max_blocks: {tier.max_blocks} is not below any pool's limit (at most "
+                    f"{limits[widest.name]} blocks, pool {widest.name}): this quota never binds, "
+                    "so one tenant of this tier may take a whole pool"
+                )
+    return out

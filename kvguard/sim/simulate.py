@@ -184,7 +184,11 @@ def run(options: Options) -> int:
         capacity = pool_capacity(config, options)
         trace = load(options.trace, limit=options.limit).scaled(options.rate_scale)
         engine = engine_config(config, capacity, options)
-    except (configs.ConfigError, TraceError) as exc:
+    except configs.ConfigError as exc:
+        for problem in exc.problems:
+            print(f"error: {problem}", file=sys.stderr)
+        return 1
+    except TraceError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except ValueError as exc:

@@ -1,12 +1,14 @@
-"""The real loader against one bad file per error; each file's first line is the message."""
+"""The real loader against one bad file per error; each file opens with the messages, one
+`# error:` line each."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
 
-from kvguard import config
+from kvguard import config, policy
 
 BAD = sorted((Path(__file__).parent / "configs" / "bad").glob("*.yaml"))
 GOOD_POOL = """
@@ -21,13 +23,17 @@ pools:
 
 @pytest.mark.parametrize("path", BAD, ids=[p.stem for p in BAD])
 def test_bad_file_names_the_file_and_the_key(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    expected = path.read_text().splitlines()[0].removeprefix("# error: ")
+    lines = path.read_text().splitlines()
+    heading = itertools.takewhile(lambda line: line.startswith("# error: "), lines)
+    expected = [line.removeprefix("# error: ") for line in heading]
     monkeypatch.chdir(path.parent)
     with pytest.raises(config.ConfigError) as info:
         config.load(path.name, environ={})
-    assert str(info.value).startswith(expected)
-    if "not valid YAML" not in expected:
-        assert str(info.value) == expected
+    if "not valid YAML" in expected[0]:
+        assert str(info.value).startswith(expected[0])
+    else:
+        assert info.value.problems == expected
+        assert str(info.value) == "\n".join(expected)
 
 
 def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
@@ -42,7 +48,8 @@ def test_defaults_follow_the_design(tmp_path: Path) -> None:
     assert loaded.server.grpc_listen == "127.0.0.1:50051"
     assert loaded.server.max_body_bytes == 8388608
     assert loaded.ledger.url == "memory://" and loaded.ledger.lease_seconds == 900
-    assert loaded.tenancy.tier_of("anyone") == "free"
+    assert loaded.tenancy.default_tier is None  # fails closed: unknown tenants get 401
+    assert loaded.tenancy.tier_of("anyone") is None
     assert loaded.pools[0].watermark == 0.15
     # Relative tokenizer paths are relative to the configuration file.
     assert loaded.pools[0].tokenizer == str(tmp_path / "models" / "qwen")
@@ -126,3 +133,116 @@ def test_a_bad_environment_value_names_the_key_and_the_variable(
     with pytest.raises(config.ConfigError) as info:
         config.load(path, environ={variable: value})
     assert str(info.value) == f"{path}: {error} (set by {variable})"
+
+
+def test_own_tiers_without_default_tier_load_and_fail_closed(tmp_path: Path) -> None:
+    path = tmp_path / "kvguard.yaml"
+    path.write_text(
+        GOOD_POOL + "tenancy:\n  tenants: {acme: bulk}\n  tiers:\n"
+        "    bulk: {max_tokens_cap: 4096, default_max_tokens: 1024, max_blocks: 20000}\n"
+        "    lite: {max_tokens_cap: 64, default_max_tokens: 32, max_blocks: 400}\n"
+    )
+    tenancy = config.load(path, environ={}).tenancy
+    assert tenancy.default_tier is None
+    assert tenancy.tier_of("acme") == "bulk" and tenancy.tier_of("stranger") is None
+
+
+def test_a_tier_named_free_is_not_used_implicitly(tmp_path: Path) -> None:
+    path = tmp_path / "kvguard.yaml"
+    path.write_text(
+        GOOD_POOL + "tenancy:\n  tiers:\n"
+        "    free: {max_tokens_cap: 64, default_max_tokens: 32, max_blocks: 40}\n"
+    )
+    assert config.load(path, environ={}).tenancy.tier_of("stranger") is None
+    path.write_text(path.read_text() + "  default_tier: free\n")
+    assert config.load(path, environ={}).tenancy.tier_of("stranger") == "free"
+
+
+def test_a_value_from_the_environment_gets_no_line(tmp_path: Path) -> None:
+    path = tmp_path / "kvguard.yaml"
+    path.write_text(GOOD_POOL + "ledger:\n  lease_seconds: 0\nshadow: maybe\n")
+    with pytest.raises(config.ConfigError) as info:
+        config.load(path, environ={"KVGUARD_LEDGER_LEASE_SECONDS": "-1"})
+    assert info.value.problems == [
+        f"{path}: ledger.lease_seconds: Input should be greater than 0 (set by "
+        "KVGUARD_LEDGER_LEASE_SECONDS)",
+        f"{path}: shadow: Input should be a valid boolean, unable to interpret input (line 10)",
+    ]
+
+
+def test_local_mode_with_a_replica_per_worker_loads(tmp_path: Path) -> None:
+    path = tmp_path / "kvguard.yaml"
+    path.write_text(
+        GOOD_POOL + "server: {workers: 4}\n"
+        "ledger: {url: 'redis://redis:6379/0', on_unavailable: local, replicas: 8}\n"
+    )
+    assert config.load(path, environ={}).ledger.replicas == 8
+
+
+def _warnings(tmp_path: Path, text: str) -> list[str]:
+    path = tmp_path / "kvguard.yaml"
+    path.write_text(text)
+    return policy.warnings(config.load(path, environ={}))
+
+
+def _tiers(
+    free: str, pro: str = "{max_tokens_cap: 256, default_max_tokens: 64, max_blocks: 40}"
+) -> str:
+    return f"tenancy:\n  default_tier: free\n  tiers:\n    free: {free}\n    pro: {pro}\n"
+
+
+def test_no_warnings_for_a_policy_that_can_admit(tmp_path: Path) -> None:
+    tiers = _tiers("{max_tokens_cap: 512, default_max_tokens: 256, max_blocks: 2000}")
+    assert _warnings(tmp_path, GOOD_POOL + tiers) == []
+
+
+def test_a_tier_whose_default_never_fits_its_quota_is_a_warning(tmp_path: Path) -> None:
+    # 1 prompt token + 1024 output tokens: 65 blocks of 16, above the quota of 60.
+    tiers = _tiers("{max_tokens_cap: 2048, default_max_tokens: 1024, max_blocks: 60}")
+    assert _warnings(tmp_path, GOOD_POOL + tiers) == [
+        "tenancy.tiers.free.default_max_tokens: in pool qwen, a request without max_tokens gets "
+        "1024 and needs at least 65 blocks, more than this tier's max_blocks (60): every such "
+        "request is refused (400 request_exceeds_capacity)"
+    ]
+
+
+def test_a_tier_whose_default_never_fits_the_pool_is_a_warning(tmp_path: Path) -> None:
+    # 1 + 2048 tokens need 129 blocks of 16; 140 blocks at watermark 0.15 admit 119.
+    pool = GOOD_POOL.replace("blocks: 40000", "blocks: 140").replace("32768", "4096")
+    tiers = _tiers("{max_tokens_cap: 2048, default_max_tokens: 2048, max_blocks: 100}")
+    assert _warnings(tmp_path, pool + tiers) == [
+        "tenancy.tiers.free.default_max_tokens: in pool qwen, a request without max_tokens gets "
+        "2048 and needs at least 129 blocks, more than this tier's max_blocks (100): every such "
+        "request is refused (400 request_exceeds_capacity)",
+    ]
+    tiers = _tiers("{max_tokens_cap: 2048, default_max_tokens: 2048, max_blocks: 119}")
+    assert _warnings(tmp_path, pool + tiers) == [
+        "tenancy.tiers.free.default_max_tokens: in pool qwen, a request without max_tokens gets "
+        "2048 and needs at least 129 blocks, more than the pool's limit, capacity x (1 - "
+        "watermark) (119): every such request is refused (400 request_exceeds_capacity)",
+        "tenancy.tiers.free.max_blocks: 119 is not below any pool's limit (at most 119 blocks, "
+        "pool qwen): this quota never binds, so one tenant of this tier may take a whole pool",
+    ]
+
+
+def test_the_default_is_clamped_to_the_context_before_it_is_judged(tmp_path: Path) -> None:
+    # max_model_len 64: the injected limit is 63 (4 blocks), whatever the tier's default.
+    pool = GOOD_POOL.replace("32768", "64")
+    tiers = _tiers("{max_tokens_cap: 2048, default_max_tokens: 1024, max_blocks: 4}")
+    assert _warnings(tmp_path, pool + tiers) == []
+
+
+def test_a_quota_no_pool_can_reach_is_a_warning_only_where_every_capacity_is_known(
+    tmp_path: Path,
+) -> None:
+    tiers = _tiers("{max_tokens_cap: 512, default_max_tokens: 256, max_blocks: 40000}")
+    assert _warnings(tmp_path, GOOD_POOL + tiers) == [
+        "tenancy.tiers.free.max_blocks: 40000 is not below any pool's limit (at most 34000 "
+        "blocks, pool qwen): this quota never binds, so one tenant of this tier may take a "
+        "whole pool"
+    ]
+    discovered = (
+        "  - name: llama\n    models: [llama]\n    tokenizer: models/llama\n"
+        "    max_model_len: 4096\n    capacity: {endpoints: ['http://vllm-0:8000']}\n"
+    )
+    assert _warnings(tmp_path, GOOD_POOL + discovered + tiers) == []
