@@ -1,30 +1,46 @@
-"""Command line: `kvguard serve | check-config | ledger status | demo | simulate`."""
+"""Command line: `kvguard serve | check-config | ledger status | demo | simulate | sim-server`."""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 from pathlib import Path
 
+from kvguard import __version__, logs
 from kvguard import config as configs
-from kvguard import logs
+
+log = logging.getLogger(__name__)
+
+
+def _load(path: str) -> configs.Config | None:
+    """The configuration at `path`, or None once every problem is printed, one a line."""
+    try:
+        return configs.load(path)
+    except configs.ConfigError as exc:
+        for problem in exc.problems:
+            print(f"error: {problem}", file=sys.stderr)
+        return None
 
 
 def _check_config(path: str) -> int:
-    try:
-        config = configs.load(path)
-        from kvguard import policy
-
-        built = policy.build(config)
-    except configs.ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    config = _load(path)
+    if config is None:
         return 1
+    from kvguard import policy
+    from kvguard.ledger.status import redact
+
+    try:
+        built = policy.build(config)
     except (OSError, ValueError) as exc:
         print(f"error: {path}: {exc}", file=sys.stderr)
         return 1
+    for warning in policy.warnings(config):
+        print(f"warning: {path}: {warning}", file=sys.stderr)
     print(f"{path}: ok")
     print(
-        f"  ledger: {config.ledger.url} (lease {config.ledger.lease_seconds}s, "
+        f"  ledger: {redact(config.ledger.url)} (lease {config.ledger.lease_seconds}s, "
         f"on_unavailable={config.ledger.on_unavailable})"
     )
     tiers = ", ".join(
@@ -54,12 +70,14 @@ def _check_config(path: str) -> int:
 
 
 def _serve(path: str) -> int:
-    try:
-        config = configs.load(path)
-    except configs.ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    config = _load(path)
+    if config is None:
         return 1
     logs.configure(config.server.log_level)
+    from kvguard.policy import warnings
+
+    for warning in warnings(config):
+        log.warning("%s: %s", path, warning)
     if config.server.workers == 1:
         return _serve_worker(config, Path(path))
     from kvguard.workers import supervise
@@ -98,10 +116,8 @@ def _serve_worker(config: configs.Config, path: Path) -> int:
 
 def _ledger_status(path: str) -> int:
     """Per pool: capacity, reserved and free blocks, and each tenant's reserved blocks."""
-    try:
-        config = configs.load(path)
-    except configs.ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    config = _load(path)
+    if config is None:
         return 1
     if config.ledger.url.startswith("memory://"):
         return _ledger_status_via_admin(config)
@@ -156,40 +172,78 @@ def _ledger_status_via_admin(config: configs.Config) -> int:
     return 0
 
 
+def _config_argument(command: argparse.ArgumentParser) -> None:
+    command.add_argument("file", nargs="?", help="YAML configuration file (or --config FILE)")
+    command.add_argument("--config", help="YAML configuration file")
+
+
+def _config_path(command: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    """The one configuration file given, as --config FILE or as FILE."""
+    if args.file is not None and args.config is not None:
+        command.error("give the configuration file once: --config FILE or FILE, not both")
+    path: str | None = args.config if args.file is None else args.file
+    if path is None:
+        command.error("the configuration file is required: --config FILE (or FILE)")
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # here, where a reader gone away can still be caught
+    except BrokenPipeError:
+        # The reader left (`| head`): say nothing more. Python flushes stdout again at exit,
+        # so point it at devnull (the recipe of Python's signal module docs).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="kvguard", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"kvguard {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="run the ext_proc service")
-    serve.add_argument("--config", required=True, help="YAML configuration file")
+    _config_argument(serve)
     check = commands.add_parser("check-config", help="validate a configuration file")
-    check.add_argument("file")
+    _config_argument(check)
     demo = commands.add_parser(
         "demo", help="one burst on a simulated vLLM, unguarded and behind Envoy + kvguard"
     )
     demo.add_argument("--requests", type=int, default=16, help="requests per tenant")
+    from kvguard.sim import standalone
     from kvguard.sim.simulate import add_arguments
 
     add_arguments(
         commands.add_parser("simulate", help="replay a trace with and without kvguard's policy")
+    )
+    standalone.add_arguments(
+        commands.add_parser(
+            "sim-server",
+            help="the vLLM simulator as an OpenAI-compatible upstream, for trials by hand",
+        )
     )
     ledger = commands.add_parser("ledger", help="inspect the admission ledger")
     ledger_commands = ledger.add_subparsers(dest="ledger_command", required=True)
     status = ledger_commands.add_parser(
         "status", help="capacity, reserved and free blocks per pool and tenant (Redis ledger)"
     )
-    status.add_argument("--config", required=True, help="YAML configuration file")
+    _config_argument(status)
     args = parser.parse_args(argv)
     logs.configure("info", json=False)  # `serve` switches to JSON at its configured level
     if args.command == "serve":
-        return _serve(args.config)
+        return _serve(_config_path(serve, args))
     if args.command == "check-config":
-        return _check_config(args.file)
+        return _check_config(_config_path(check, args))
     if args.command == "ledger":
-        return _ledger_status(args.config)
+        return _ledger_status(_config_path(status, args))
     if args.command == "simulate":
         from kvguard.sim.simulate import run_from_args
 
         return run_from_args(args)
+    if args.command == "sim-server":
+        return standalone.run_from_args(args)
     from kvguard.demo import run_demo
 
     return run_demo(requests_per_tenant=args.requests)

@@ -1,4 +1,4 @@
-"""The simulated vLLM behind an OpenAI-compatible HTTP server (aiohttp, 127.0.0.1).
+"""The simulated vLLM behind an OpenAI-compatible HTTP server (aiohttp, 127.0.0.1 by default).
 
 POST /v1/chat/completions and /v1/completions (JSON or SSE streams; `max_tokens`,
 `max_completion_tokens`, `n`, batch prompts, `ignore_eos`, `stream_options.include_usage`),
@@ -70,6 +70,7 @@ class SimServer:
         self._t0 = 0.0
         self._driver: asyncio.Task[None] | None = None
         self._runner: web.AppRunner | None = None
+        self._host = "127.0.0.1"
         self._port: int | None = None
 
     @property
@@ -80,13 +81,18 @@ class SimServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        """Where a client on this machine reaches the server."""
+        host = "127.0.0.1" if self._host in ("", "0.0.0.0") else self._host
+        if host == "::":
+            host = "::1"
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
 
     def now(self) -> float:
         """Simulated seconds since start."""
         return (asyncio.get_running_loop().time() - self._t0) * self.speed
 
-    async def start(self, port: int = 0) -> None:
+    async def start(self, port: int = 0, host: str = "127.0.0.1") -> None:
+        """Listen on `host`:`port` (0: a free port) and start the engine's clock."""
         app = web.Application(client_max_size=64 * 1024 * 1024)
         for path in COMPLETION_PATHS:
             app.router.add_post(path, self._complete)
@@ -96,8 +102,12 @@ class SimServer:
         # handler_cancellation: a client that goes away ends its handler (and its sequences).
         runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=1)
         await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        self._runner = runner
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner, self._host = runner, host
         self._port = int(runner.addresses[0][1])
         self._t0 = asyncio.get_running_loop().time()
         self._driver = asyncio.create_task(self._drive())
