@@ -28,7 +28,10 @@ Per prompt size and workload it prints and writes to bench-results/overhead.json
    request depends on the rate (the fewer requests, the fewer events each wake-up serves), so
    it is measured at the rate kvguard sustained, not at the no-op's own capacity;
 6. the floor under kvguard's added latency: the no-op at each latency point's rate and bodies,
-   against the bare Envoy measured there: what the gRPC round trips alone add.
+   against the bare Envoy measured there: what the gRPC round trips alone add;
+7. what parsing a body costs (in this process, no Envoy): kvguard.request.load_json, which
+   refuses a key repeated in any object, against plain json.loads, on the same bodies, in µs.
+   `--parse-only` measures only this.
 
 kvguard runs as a default install does: Prometheus metrics on, a JSON log line per decision
 (written to a file). Each point records how busy kvguard's CPU and the others were.
@@ -42,7 +45,7 @@ CONTINUE at once) in kvguard's place: the floor grpc.aio sets under kvguard's fi
 
     .venv/bin/python bench/bench_overhead.py [--quick] [--allocator jemalloc|system]
         [--share-cpus] [--processor kvguard|noop] [--ledger memory|redis]
-        [--load-client http1|aiohttp]
+        [--load-client http1|aiohttp] [--parse-only]
 """
 
 from __future__ import annotations
@@ -58,9 +61,11 @@ import subprocess
 import sys
 import tempfile
 import time
+import timeit
 import urllib.request
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +79,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.http_load import Http1Client, LeanUpstream  # noqa: E402
 from kvguard import grpc_io  # noqa: E402
+from kvguard.request import load_json  # noqa: E402
 from kvguard.testing import free_port  # noqa: E402
 from kvguard.testing.envoy import (  # noqa: E402
     EXT_PROC_FILTER,
@@ -359,6 +365,36 @@ def _ms(x: float) -> str:
     return f"{x:6.2f}"
 
 
+def parse_cost(tokenizer: PoolTokenizer) -> list[dict[str, Any]]:
+    """µs to parse each calibrated body: json.loads alone, and kvguard's load_json (the same
+    parse with the repeated-key check), the best of 7 rounds of 20,000 each, taken in turns so
+    that both see the host alike."""
+    points = []
+    for workload in ("unique", "history"):
+        for tokens in (100, 1000):
+            text = Bodies(calibrated_body(tokenizer, tokens, workload))(0).decode()
+            rounds: dict[Callable[[str], Any], list[float]] = {json.loads: [], load_json: []}
+            for _ in range(7):
+                for parse, times in rounds.items():
+                    times.append(timeit.timeit(partial(parse, text), number=20_000) / 20_000)
+            plain, checked = (min(times) * 1e6 for times in rounds.values())
+            point = {
+                "workload": workload,
+                "prompt_tokens": tokens,
+                "body_bytes": len(text.encode()),
+                "json_loads_us": round(plain, 2),
+                "load_json_us": round(checked, 2),
+            }
+            points.append(point)
+            print(
+                f"{workload:>7} {tokens:>5} tok parse ({point['body_bytes']} bytes): json.loads "
+                f"{plain:5.2f} µs, with the repeated-key check {checked:5.2f} µs "
+                f"({checked - plain:+.2f})",
+                flush=True,
+            )
+    return points
+
+
 async def run(
     quick: bool,
     bare_url: str,
@@ -379,6 +415,7 @@ async def run(
         "latency": [],
         "large": [],
         "saturation_mix": {},
+        "parse": parse_cost(tokenizer),
     }
 
     async def measured(call: str, *args: Any) -> tuple[dict[str, Any], float]:
@@ -747,6 +784,11 @@ if __name__ == "__main__":
         help="redis: a redis-server of its own on loopback, as replicas sharing a pool use",
     )
     parser.add_argument(
+        "--parse-only",
+        action="store_true",
+        help="measure only what parsing a body costs (no Envoy, nothing written)",
+    )
+    parser.add_argument(
         "--load-client",
         choices=["http1", "aiohttp"],
         default="http1",
@@ -754,4 +796,7 @@ if __name__ == "__main__":
     )
     args = parser.parse_args()
     LOAD_CLIENT = args.load_client
+    if args.parse_only:
+        parse_cost(PoolTokenizer.load(TOKENIZER))
+        raise SystemExit(0)
     uvloop.run(main(args.quick, args.allocator, args.share_cpus, args.processor, args.ledger))

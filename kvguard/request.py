@@ -7,6 +7,7 @@ everything else is vLLM's business and passes through untouched.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -50,6 +51,84 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+class _DuplicateKey(Exception):
+    """An object of the body holds a key twice (raised through json.loads)."""
+
+
+def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # Parsers disagree on a repeated key (the last wins here, the first or an error elsewhere),
+    # so the body vLLM reads could differ from the one kvguard metered.
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        raise _DuplicateKey
+    return obj
+
+
+# One decoder for every body: json.loads with arguments builds a new one at each call (~1 µs).
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, object_pairs_hook=_unique_object)
+
+
+def load_json(text: str) -> Any:
+    """The JSON document `text`, refusing NaN/Infinity and repeated keys in any object.
+    Raises ValueError (or RecursionError) when it is not JSON, and Refusal(invalid_request)
+    naming the path of a repeated key."""
+    try:
+        return _DECODER.decode(text)
+    except _DuplicateKey:
+        path = duplicate_key_path(text)
+    raise invalid(f"the request body has the key {path} more than once; send each key once", path)
+
+
+class _Repeated(dict[str, Any]):
+    """An object parsed with a repeated key (only while looking for where it is)."""
+
+    key: str
+
+
+def _marking_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) == len(pairs):
+        return obj
+    marked = _Repeated(obj)
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            marked.key = key
+            break
+        seen.add(key)
+    return marked
+
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+MAX_KEY_CHARS = 64  # of a repeated key quoted in an answer: keys are the client's text
+
+
+def duplicate_key_path(text: str) -> str:
+    """Where the first repeated key of `text` (JSON holding one) is: `messages[0].role`."""
+    todo: list[tuple[str, Any]] = [("", json.loads(text, object_pairs_hook=_marking_object))]
+    while todo:  # depth first, in document order
+        path, value = todo.pop()
+        if isinstance(value, _Repeated):
+            return _child(path, value.key)
+        # Only objects and arrays can hold one: a long array of numbers costs no paths.
+        if isinstance(value, dict):
+            inner = [(_child(path, k), v) for k, v in value.items() if isinstance(v, dict | list)]
+        elif isinstance(value, list):
+            inner = [(f"{path}[{i}]", v) for i, v in enumerate(value) if isinstance(v, dict | list)]
+        else:
+            continue
+        todo.extend(reversed(inner))
+    raise AssertionError("no repeated key found")  # pragma: no cover - the caller saw one
+
+
+def _child(path: str, key: str) -> str:
+    if _NAME.fullmatch(key):
+        return f"{path}.{key}" if path else key
+    if len(key) > MAX_KEY_CHARS:
+        key = key[:MAX_KEY_CHARS] + "…"
+    return f"{path}[{json.dumps(key, ensure_ascii=False)}]"
+
+
 def _positive_int(body: dict[str, Any], key: str) -> int | None:
     value = body.get(key)
     if value is None:
@@ -64,7 +143,7 @@ def parse(kind: Kind, raw: bytes) -> InferenceRequest:
     try:
         # Decoded here, strictly: json.loads would let a surrogate's UTF-8 bytes through.
         text = raw.decode()
-        body = json.loads(text, parse_constant=_reject_constant)
+        body = load_json(text)
     except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         raise invalid("the request body is not valid JSON in UTF-8") from None
     if not isinstance(body, dict):

@@ -148,7 +148,8 @@ async def test_request_that_can_never_fit_and_malformed_bodies_get_400(tmp_path:
         )
         assert (status, body["error"]["code"]) == (400, "request_exceeds_capacity")
         assert headers["content-type"] == "application/json"
-        for raw in (b"{oops", b'{"model": "qwen"}', b'{"model": "qwen", "prompt": 5}'):
+        repeated = b'{"model": "qwen", "prompt": "hi", "max_tokens": 99999, "max_tokens": 5}'
+        for raw in (b"{oops", b'{"model": "qwen"}', b'{"model": "qwen", "prompt": 5}', repeated):
             path = "/v1/completions"
             async with gw.http.post(
                 gw.url + path,

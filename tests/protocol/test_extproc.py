@@ -164,6 +164,12 @@ async def test_completion_batch_counts_each_prompt(tmp_path: Path) -> None:
         # ... in the text the tokenizer encodes, and as bytes (not UTF-8).
         (b'{"model": "qwen", "messages": [{"role": "user", "content": "hi \\udc00"}]}', None),
         (b'{"model": "qwen", "messages": [{"role": "user", "content": "hi \xed\xa0\x80"}]}', None),
+        # A repeated key: another parser may read the other value than kvguard metered.
+        ((HI + ', "max_tokens": 99999, "max_tokens": 5}').encode(), "max_tokens"),
+        (
+            b'{"model": "qwen", "messages": [{"role": "user", "content": "a", "content": "b"}]}',
+            "messages[0].content",
+        ),
     ],
 )
 async def test_malformed_bodies_get_400_and_reserve_nothing(
