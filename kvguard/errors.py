@@ -1,6 +1,8 @@
 """The refusals kvguard answers with: one stable code each, with its HTTP status and error type.
 
 The codes are public (clients and dashboards key on them); DESIGN.md's status table lists them.
+Statuses and types follow OpenAI's API, so that its SDKs raise the error class they raise for
+OpenAI's own answers; kvguard's reason is the `code`.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class Code(enum.StrEnum):
 
     @property
     def error_type(self) -> str:
-        """The OpenAI error schema's `type` for this code."""
+        """The OpenAI error schema's `type` for this code (by its status)."""
         return _ERROR_TYPE[self.status]
 
 
@@ -41,7 +43,7 @@ _STATUS = {
     Code.REQUEST_EXCEEDS_CAPACITY: 400,
     Code.CONTEXT_LENGTH_EXCEEDED: 400,
     Code.INVALID_REQUEST: 400,
-    Code.MODEL_NOT_FOUND: 400,
+    Code.MODEL_NOT_FOUND: 404,  # as OpenAI's API and vLLM answer
     Code.UNKNOWN_TENANT: 401,
     Code.REQUEST_TOO_LARGE: 413,
     Code.LEDGER_UNAVAILABLE: 503,
@@ -50,10 +52,13 @@ _STATUS = {
 }
 _ERROR_TYPE = {
     400: "invalid_request_error",
-    401: "authentication_error",
+    401: "invalid_request_error",  # OpenAI's 401 for a bad key: code invalid_api_key
+    404: "invalid_request_error",
     413: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "service_unavailable_error",
+    # OpenAI's rate-limit answers name the limit: `tokens` (per minute) or `requests`. kvguard's
+    # quotas are KV blocks, which hold tokens.
+    429: "tokens",
+    503: "server_error",  # OpenAI's answer when its servers are overloaded
 }
 
 

@@ -60,8 +60,14 @@ async def wait_until(predicate: Callable[[], Awaitable[bool]], timeout: float = 
 
 
 @asynccontextmanager
-async def gateway(tmp_path: Path, **config: Any) -> AsyncIterator[Gateway]:
-    path = write_config(tmp_path, kvguard_config(**config))
+async def gateway(
+    tmp_path: Path, edit: Callable[[dict[str, Any]], None] | None = None, **config: Any
+) -> AsyncIterator[Gateway]:
+    """kvguard_config(**config), changed in place by `edit` when given, behind the real Envoy."""
+    data = kvguard_config(**config)
+    if edit is not None:
+        edit(data)
+    path = write_config(tmp_path, data)
     service = Service(configs.load(path, environ={}))
     await service.start()
     upstream = RecordingUpstream()

@@ -231,7 +231,12 @@ async def test_unknown_model_and_too_long_prompt(tmp_path: Path) -> None:
         _, (_, unknown) = await exchange(
             stub, headers("/v1/chat/completions"), body({**CHAT, "model": "gpt-9"})
         )
-        assert refusal(unknown)[2]["error"]["code"] == "model_not_found"
+        status, _, error = refusal(unknown)
+        assert (status, error["error"]["code"], error["error"]["param"]) == (
+            404,
+            "model_not_found",
+            "model",
+        )
         long = {"model": "qwen", "prompt": "word " * 100}
         _, (_, too_long) = await exchange(stub, headers("/v1/completions"), body(long))
         assert refusal(too_long)[:1] == (400,)

@@ -1,0 +1,46 @@
+"""Each refusal code's HTTP status and error type follow OpenAI's API, and the body is its error
+schema."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvguard.errors import Code, Refusal
+
+# code -> (status, type): the README's "Responses kvguard makes" table.
+EXPECTED = {
+    Code.TENANT_BLOCK_QUOTA_EXCEEDED: (429, "tokens"),
+    Code.KV_CACHE_WATERMARK_EXCEEDED: (429, "tokens"),
+    Code.REQUEST_EXCEEDS_CAPACITY: (400, "invalid_request_error"),
+    Code.CONTEXT_LENGTH_EXCEEDED: (400, "invalid_request_error"),
+    Code.INVALID_REQUEST: (400, "invalid_request_error"),
+    Code.MODEL_NOT_FOUND: (404, "invalid_request_error"),
+    Code.UNKNOWN_TENANT: (401, "invalid_request_error"),
+    Code.REQUEST_TOO_LARGE: (413, "invalid_request_error"),
+    Code.LEDGER_UNAVAILABLE: (503, "server_error"),
+    Code.CAPACITY_UNKNOWN: (503, "server_error"),
+    Code.INTERNAL_ERROR: (503, "server_error"),
+}
+
+
+def test_every_code_is_listed() -> None:
+    assert set(EXPECTED) == set(Code)
+
+
+@pytest.mark.parametrize("code", list(Code), ids=str)
+def test_status_and_type_follow_openai(code: Code) -> None:
+    assert (code.status, code.error_type) == EXPECTED[code]
+
+
+def test_body_is_the_openai_error_schema() -> None:
+    refusal = Refusal(Code.MODEL_NOT_FOUND, "the model 'x' is not served here", "model")
+    assert json.loads(refusal.body()) == {
+        "error": {
+            "message": "the model 'x' is not served here",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+    }
