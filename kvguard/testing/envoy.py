@@ -83,16 +83,32 @@ def cluster(config: Mapping[str, Any], name: str) -> dict[str, Any]:
     return _named(_node(config, "static_resources", "clusters"), name, "cluster")
 
 
-def http_filters(config: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The HTTP filter chain of the gateway listener's HTTP connection manager."""
+def http_connection_manager(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The `typed_config` of the gateway listener's HTTP connection manager."""
     chains = _node(listener(config), "filter_chains")
     if not isinstance(chains, list) or len(chains) != 1:
         raise EnvoyConfigError(f"listener {LISTENER!r}: expected exactly one filter chain")
     hcm = _named(_node(chains[0], "filters"), HTTP_CONNECTION_MANAGER, "network filter")
-    filters = _node(hcm, "typed_config", "http_filters")
+    typed_config = _node(hcm, "typed_config")
+    if not isinstance(typed_config, dict):
+        raise EnvoyConfigError(f"{HTTP_CONNECTION_MANAGER}: typed_config is not a mapping")
+    return typed_config
+
+
+def http_filters(config: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The HTTP filter chain of the gateway listener's HTTP connection manager."""
+    filters = _node(http_connection_manager(config), "http_filters")
     if not isinstance(filters, list):
         raise EnvoyConfigError("http_filters is not a list")
     return filters
+
+
+def virtual_hosts(config: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The virtual hosts of the gateway listener's route configuration."""
+    hosts = _node(http_connection_manager(config), "route_config", "virtual_hosts")
+    if not isinstance(hosts, list):
+        raise EnvoyConfigError("virtual_hosts is not a list")
+    return hosts
 
 
 def http_filter(config: Mapping[str, Any], name: str) -> dict[str, Any]:

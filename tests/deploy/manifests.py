@@ -20,7 +20,15 @@ import jsonschema
 import kubernetes_validate
 import yaml
 
-from kvguard.testing.envoy import EXT_PROC_FILTER, KVGUARD_CLUSTER, http_filters, listener
+from kvguard.testing.envoy import (
+    EXT_PROC_FILTER,
+    HTTP_CONNECTION_MANAGER,
+    KVGUARD_CLUSTER,
+    http_connection_manager,
+    http_filters,
+    listener,
+    virtual_hosts,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
@@ -37,6 +45,8 @@ KUSTOMIZATIONS = (
 )
 
 Resource = dict[str, Any]
+# What envoy/envoy.yaml sets on its HTTP connection manager for kvguard's sake.
+KVGUARD_HCM_KEYS = ("local_reply_config", "access_log")
 
 
 def kubectl() -> Path:
@@ -163,7 +173,8 @@ def apply_envoy_filter(bootstrap: Mapping[str, Any], envoy_filter: Resource) -> 
     envoy/envoy.yaml's shape: listener `gateway`, clusters `kvguard` and `vllm`).
 
     Supported, as this repository uses them: CLUSTER ADD; CLUSTER MERGE matched by port;
-    LISTENER MERGE; HTTP_FILTER INSERT_FIRST, and INSERT_BEFORE a named sub-filter. The gateway
+    LISTENER MERGE; NETWORK_FILTER MERGE into the HTTP connection manager; HTTP_ROUTE MERGE into
+    every route; HTTP_FILTER INSERT_FIRST, and INSERT_BEFORE a named sub-filter. The gateway
     listener stands for the one Istio builds (an ingress listener or virtualInbound).
     """
     config = copy.deepcopy(dict(bootstrap))
@@ -184,6 +195,13 @@ def apply_envoy_filter(bootstrap: Mapping[str, Any], envoy_filter: Resource) -> 
                 _merge(target, value)
         elif (apply_to, operation) == ("LISTENER", "MERGE"):
             _merge(listener(config), value)
+        elif (apply_to, operation) == ("NETWORK_FILTER", "MERGE"):
+            if value.get("name") != HTTP_CONNECTION_MANAGER:
+                raise PatchError(f"{where}: only the HTTP connection manager is modelled")
+            _merge(http_connection_manager(config), value["typed_config"])
+        elif (apply_to, operation) == ("HTTP_ROUTE", "MERGE"):
+            for route in routes(config):
+                _merge(route, value)
         elif apply_to == "HTTP_FILTER" and operation == "INSERT_FIRST":
             http_filters(config).insert(0, copy.deepcopy(value))
         elif apply_to == "HTTP_FILTER" and operation == "INSERT_BEFORE":
@@ -198,12 +216,22 @@ def apply_envoy_filter(bootstrap: Mapping[str, Any], envoy_filter: Resource) -> 
     return config
 
 
+def routes(config: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Every route of the gateway listener's virtual hosts."""
+    return [route for host in virtual_hosts(config) for route in host["routes"]]
+
+
 def without_kvguard(config: Mapping[str, Any]) -> dict[str, Any]:
     """A copy of an envoy/envoy.yaml-shaped config without its ext_proc filter and kvguard
-    cluster: what an EnvoyFilter must add back."""
+    cluster, Envoy's own answers, access log and the limit header: what an EnvoyFilter must add
+    back."""
     result = copy.deepcopy(dict(config))
     filters = http_filters(result)
     filters[:] = [f for f in filters if f["name"] != EXT_PROC_FILTER]
+    for key in KVGUARD_HCM_KEYS:
+        del http_connection_manager(result)[key]
+    for route in routes(result):
+        del route["response_headers_to_add"]
     clusters = result["static_resources"]["clusters"]
     clusters[:] = [c for c in clusters if c["name"] != KVGUARD_CLUSTER]
     return result

@@ -24,6 +24,7 @@ from kvguard.testing.envoy import (
     EnvoyError,
     EnvoyProcess,
     cluster,
+    http_connection_manager,
     http_filter,
     http_filters,
     listener,
@@ -34,10 +35,12 @@ from kvguard.testing.envoy import (
 from kvguard.testing.upstream import RecordingUpstream
 from tests.deploy.manifests import (
     KUSTOMIZATIONS,
+    KVGUARD_HCM_KEYS,
     PatchError,
     apply_envoy_filter,
     build,
     of_kind,
+    routes,
     without_kvguard,
 )
 
@@ -94,10 +97,21 @@ def test_envoy_refuses_a_broken_gateway_config(tmp_path: Path) -> None:
         validate_envoy_config(path)
 
 
+def kvguard_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """What envoy/envoy.yaml sets for kvguard's sake: the ext_proc filter, the kvguard cluster,
+    Envoy's own answers, the access log and each route's response headers."""
+    hcm = http_connection_manager(config)
+    return {
+        "ext_proc": http_filter(config, EXT_PROC_FILTER),
+        "cluster": cluster(config, KVGUARD_CLUSTER),
+        **{key: hcm[key] for key in KVGUARD_HCM_KEYS},
+        "response_headers_to_add": [r["response_headers_to_add"] for r in routes(config)],
+    }
+
+
 def test_gateway_config_keeps_envoy_yamls_ext_proc_settings() -> None:
     gateway = yaml.safe_load(GATEWAY_CONFIG.read_text())
-    assert http_filter(gateway, EXT_PROC_FILTER) == http_filter(shipped(), EXT_PROC_FILTER)
-    assert cluster(gateway, KVGUARD_CLUSTER) == cluster(shipped(), KVGUARD_CLUSTER)
+    assert kvguard_settings(gateway) == kvguard_settings(shipped())
     for key in ("per_connection_buffer_limit_bytes",):
         assert listener(gateway)[key] == listener(shipped())[key]
     names = [f["name"] for f in http_filters(gateway)]
@@ -110,8 +124,7 @@ def test_envoy_filter_patches_validate_in_a_bootstrap(
 ) -> None:
     config = apply_envoy_filter(without_kvguard(shipped()), envoy_filter)
     # The patches put back exactly what envoy/envoy.yaml has, in the same place...
-    assert http_filter(config, EXT_PROC_FILTER) == http_filter(shipped(), EXT_PROC_FILTER)
-    assert cluster(config, KVGUARD_CLUSTER) == cluster(shipped(), KVGUARD_CLUSTER)
+    assert kvguard_settings(config) == kvguard_settings(shipped())
     names = [f["name"] for f in http_filters(config)]
     assert names[0] != EXT_PROC_FILTER and names[-2:] == [EXT_PROC_FILTER, ROUTER], where
     assert http_filters(config)[0]["typed_config"]["@type"].endswith("HeaderMutation")
