@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvguard.capacity import Capacities
 from kvguard.counting import PromptCounter
@@ -45,6 +45,9 @@ class Admitted:
     prompt_tokens: int
     blocks: int
     would_refuse: Code | None = None
+    # Values for the client's response headers, by dynamic metadata key (envoy.yaml's route
+    # turns `max_tokens` into x-kvguard-max-tokens).
+    metadata: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -58,6 +61,8 @@ class Decision:
     pool: str = ""
     prompt_tokens: int | None = None
     blocks: int | None = None
+    requested_max_tokens: int | None = None  # the client's limit; None when it sent none
+    max_tokens: int | None = None  # the limit vLLM applies (clamped or injected)
     outcome: str = "refused"  # admitted | refused | shadow_refused | cancelled
     reason: str = ""  # the refusal code; "" when admitted or cancelled
 
@@ -81,6 +86,10 @@ class Decision:
             out["prompt_tokens"] = self.prompt_tokens
         if self.blocks is not None:
             out["blocks"] = self.blocks
+        if self.requested_max_tokens is not None:
+            out["requested_max_tokens"] = self.requested_max_tokens
+        if self.max_tokens is not None:
+            out["max_tokens"] = self.max_tokens
         return out
 
 
@@ -164,6 +173,7 @@ class Admission:
             max(prompt_tokens),
             request.min_tokens,
         )
+        decision.requested_max_tokens, decision.max_tokens = limits.requested, limits.max_tokens
         blocks = blocks_needed(prompt_tokens, limits.max_tokens, request.n, capacity.block_size)
         decision.blocks = blocks
         quota = identity.tier.max_blocks
@@ -194,7 +204,10 @@ class Admission:
         }
         if lease is not None:
             headers["x-kvguard-lease"] = lease.lease_id
-        return Admitted(pool.name, lease, body, headers, prompt_total, blocks)
+        metadata: dict[str, str] = {}
+        if policy.tenancy.expose_limit_header:
+            metadata["max_tokens"] = str(limits.max_tokens)
+        return Admitted(pool.name, lease, body, headers, prompt_total, blocks, metadata=metadata)
 
     async def _reserve(self, claim: Claim, quota: int) -> Lease | None:
         """The lease, or None when the ledger is unreachable and `on_unavailable` is allow."""

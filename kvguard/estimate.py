@@ -15,6 +15,7 @@ class Limits:
     fields: dict[str, int]  # the limit fields to write into the body (clamped or injected)
     max_tokens: int  # the output limit vLLM will apply
     clamped: bool  # True when a client value was lowered or a limit was injected
+    requested: int | None = None  # the client's limit that vLLM reads; None when it sent none
 
 
 def clamp(
@@ -40,6 +41,7 @@ def clamp(
     ceiling = min(tier.max_tokens_cap, room)
     fields = {key: min(value, ceiling) for key, value in sent.items()}
     read = [key for key in LIMIT_FIELDS[kind] if key in fields]
+    requested = sent[read[0]] if read else None
     if read:
         max_tokens = fields[read[0]]
         clamped = fields != sent
@@ -53,7 +55,7 @@ def clamp(
             f"generate (this tenant's cap is {tier.max_tokens_cap}, the context leaves {room})",
             "min_tokens",
         )
-    return Limits(fields, max_tokens, clamped)
+    return Limits(fields, max_tokens, clamped, requested)
 
 
 def blocks_needed(prompt_tokens: list[int], max_tokens: int, n: int, block_size: int) -> int:

@@ -30,6 +30,7 @@ def kvguard_config(
     tenants: dict[str, str] | None = None,
     default_tier: str | None = "free",
     shadow: bool = False,
+    expose_limit_header: bool = False,
     **server: Any,
 ) -> dict[str, Any]:
     """A configuration with one pool `qwen` (model "qwen") on the real Qwen tokenizer."""
@@ -45,6 +46,7 @@ def kvguard_config(
                 "pro": {"max_tokens_cap": 512, "default_max_tokens": 128, "max_blocks": 400},
             },
             "tenants": tenants if tenants is not None else {"acme": "pro", "globex": "pro"},
+            "expose_limit_header": expose_limit_header,
         },
         "shadow": shadow,
         "pools": [

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from envoy.config.core.v3.base_pb2 import HeaderValueOption
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
@@ -20,6 +20,9 @@ from google.protobuf.duration_pb2 import Duration
 from kvguard.errors import Refusal
 
 _OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+# The namespace of the dynamic metadata kvguard sets: the one envoy.yaml's ext_proc filter
+# accepts (metadata_options.receiving_namespaces) and its route reads.
+METADATA_NAMESPACE = "envoy.filters.http.ext_proc"
 
 # For paths kvguard does not guard: no body buffering, no response messages.
 PASS_THROUGH_MODE = ProcessingMode(
@@ -56,8 +59,11 @@ def request_headers(remove: list[str], *, guarded: bool) -> ProcessingResponse:
     return response
 
 
-def admitted_body(body: bytes | None, headers: dict[str, str]) -> ProcessingResponse:
-    """Continue with the rewritten body (when there is one) and the kvguard headers."""
+def admitted_body(
+    body: bytes | None, headers: dict[str, str], metadata: Mapping[str, str] | None = None
+) -> ProcessingResponse:
+    """Continue with the rewritten body (when there is one) and the kvguard headers; `metadata`
+    becomes dynamic metadata in METADATA_NAMESPACE (envoy.yaml turns it into response headers)."""
     response = ProcessingResponse()
     common = response.request_body.response
     if body is None:
@@ -66,6 +72,10 @@ def admitted_body(body: bytes | None, headers: dict[str, str]) -> ProcessingResp
         # Envoy answers 500 when content-length disagrees with the body it forwards.
         _mutate(common.header_mutation, {**headers, "content-length": str(len(body))})
         common.body_mutation.body = body
+    if metadata:
+        fields = response.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields
+        for key, value in metadata.items():
+            fields[key].string_value = value
     return response
 
 

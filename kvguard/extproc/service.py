@@ -135,7 +135,8 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
             except Exception:
                 exchange.decision.refused(Code.INTERNAL_ERROR)
                 raise
-        return responses.admitted_body(admitted.body, admitted.headers), admitted.lease
+        answer = responses.admitted_body(admitted.body, admitted.headers, admitted.metadata)
+        return answer, admitted.lease
 
     async def _decide_in_time(
         self,

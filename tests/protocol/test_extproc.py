@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvguard.server import Service
@@ -98,6 +99,27 @@ async def test_limits_within_the_cap_leave_the_body_untouched(tmp_path: Path) ->
         common = on_body.request_body.response
         assert not common.HasField("body_mutation")
         assert "x-kvguard-lease" in set_headers(common)
+
+
+@pytest.mark.parametrize("expose", [True, False])
+async def test_the_applied_limit_is_dynamic_metadata_when_exposed(
+    tmp_path: Path, expose: bool
+) -> None:
+    """envoy.yaml's route turns it into x-kvguard-max-tokens; nothing when not enabled."""
+    async with running(tmp_path, expose_limit_header=expose) as (_, stub):
+        answers = []
+        for limit in ({"max_tokens": 100000}, {}):  # clamped to the cap; injected
+            _, (_, on_body) = await exchange(
+                stub, headers("/v1/chat/completions"), body({**CHAT, **limit})
+            )
+            answers.append(on_body)
+        if expose:
+            assert [json_format.MessageToDict(a.dynamic_metadata) for a in answers] == [
+                {"envoy.filters.http.ext_proc": {"max_tokens": "512"}},  # pro's cap
+                {"envoy.filters.http.ext_proc": {"max_tokens": "128"}},  # pro's default
+            ]
+        else:
+            assert not any(a.HasField("dynamic_metadata") for a in answers)
 
 
 async def test_unguarded_path_is_not_buffered(tmp_path: Path) -> None:

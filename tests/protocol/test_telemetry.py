@@ -211,3 +211,20 @@ async def test_a_stream_that_ends_mid_decision_is_counted_as_cancelled(tmp_path:
         await wait_until(counted)
         assert admissions(reader) == {("qwen", "pro", "cancelled", ""): 1}
         assert await reserved(service) == 0
+
+
+async def test_the_log_line_has_the_requested_and_the_applied_limit(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="kvguard.decision")
+    async with running(tmp_path) as (_, stub):
+        for limit in ({"max_tokens": 100000}, {"max_tokens": 7}, {}):
+            await exchange(stub, headers("/v1/chat/completions"), body({**CHAT, **limit}))
+    lines = [
+        json.loads(JsonFormatter().format(r))
+        for r in caplog.records
+        if r.name == "kvguard.decision"
+    ]
+    logged = [(line.get("requested_max_tokens"), line["max_tokens"]) for line in lines]
+    # Clamped to pro's cap, left alone, injected (pro's default; the client sent none).
+    assert logged == [(100000, 512), (7, 7), (None, 128)]

@@ -13,12 +13,14 @@ def test_chat_without_limit_gets_the_tier_default() -> None:
     limits = clamp("chat", {}, TIER, max_model_len=4096, longest_prompt=100)
     assert limits.fields == {"max_tokens": 256}
     assert limits.max_tokens == 256 and limits.clamped
+    assert limits.requested is None
 
 
 def test_each_sent_field_is_clamped_and_chat_reads_max_completion_tokens_first() -> None:
     limits = clamp("chat", {"max_tokens": 9000, "max_completion_tokens": 300}, TIER, 4096, 100)
     assert limits.fields == {"max_tokens": 512, "max_completion_tokens": 300}
     assert limits.max_tokens == 300
+    assert limits.requested == 300  # the field vLLM reads, as the client sent it
 
 
 def test_completions_read_only_max_tokens() -> None:
@@ -29,7 +31,7 @@ def test_completions_read_only_max_tokens() -> None:
 
 def test_limit_never_passes_the_context_room() -> None:
     limits = clamp("chat", {"max_tokens": 500}, TIER, max_model_len=1000, longest_prompt=900)
-    assert limits.max_tokens == 100
+    assert (limits.requested, limits.max_tokens) == (500, 100)
     injected = clamp("chat", {}, TIER, max_model_len=1000, longest_prompt=950)
     assert injected.max_tokens == 50
 
