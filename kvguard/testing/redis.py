@@ -64,11 +64,12 @@ def free_port(*, with_cluster_bus: bool = False) -> int:
 
 
 def _ping(port: int, timeout_s: float = 0.2) -> bool:
-    """True when a Redis on `port` answers PING (raw RESP: no client library needed)."""
+    """True when a Redis on `port` answers PING (raw RESP: no client library needed); one with
+    a password answers that it wants it."""
     try:
         with socket.create_connection((LOOPBACK, port), timeout=timeout_s) as conn:
             conn.sendall(b"PING\r\n")
-            return conn.recv(64).startswith(b"+PONG")
+            return conn.recv(64).startswith((b"+PONG", b"-NOAUTH"))
     except OSError:
         return False
 
@@ -77,10 +78,18 @@ class RedisServer:
     """One redis-server on 127.0.0.1:`port` (a free one by default), no RDB, no AOF.
 
     `start` waits until PING is answered; `stop` ends the process (its data is gone: nothing is
-    persisted); `start` again brings it back, empty, on the same port.
+    persisted); `start` again brings it back, empty, on the same port. With `password`, clients
+    must give it (`requirepass`), and `url` holds it.
     """
 
-    def __init__(self, folder: Path, port: int | None = None, *, cluster: bool = False) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        port: int | None = None,
+        *,
+        cluster: bool = False,
+        password: str | None = None,
+    ) -> None:
         require_binaries()
         self.folder = folder
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -89,12 +98,14 @@ class RedisServer:
         if self.port == _DEFAULT_PORT:
             raise RedisProcessError("port 6379 belongs to the machine's own Redis")
         self.cluster = cluster
+        self.password = password
         self._process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://{LOOPBACK}:{self.port}/0"
+        credentials = f":{self.password}@" if self.password else ""
+        return f"redis://{credentials}{LOOPBACK}:{self.port}/0"
 
     @property
     def log_path(self) -> Path:
@@ -111,6 +122,8 @@ class RedisServer:
             "--dir", str(self.folder),
             "--loglevel", "warning",
         ]  # fmt: skip
+        if self.password:
+            command += ["--requirepass", self.password]
         if self.cluster:
             command += [
                 "--cluster-enabled", "yes",
@@ -194,8 +207,9 @@ class RedisServer:
 
     def cli(self, *args: str) -> str:
         """Run `redis-cli -p PORT ARGS...` and return its output; raise on failure."""
+        auth = ["--no-auth-warning", "-a", self.password] if self.password else []
         done = subprocess.run(
-            ["redis-cli", "-h", LOOPBACK, "-p", str(self.port), *args],
+            ["redis-cli", "-h", LOOPBACK, "-p", str(self.port), *auth, *args],
             capture_output=True,
             text=True,
             timeout=10,
