@@ -3,7 +3,8 @@
 Handlers never touch OpenTelemetry types. The MeterProvider is an argument, so tests read exact
 values with the SDK's in-memory reader. Prometheus names (a contract: dashboards use them):
 
-    kvguard_admissions_total{pool,tier,outcome,reason}   outcome: admitted|refused|shadow_refused
+    kvguard_admissions_total{pool,tier,outcome,reason}   outcome: admitted|refused|shadow_refused|
+                                                         cancelled
     kvguard_decision_duration_seconds                    histogram, one per guarded request
     kvguard_prompt_tokens                                histogram, admitted requests
     kvguard_reserved_blocks{pool}                        the ledger's shared view
@@ -12,6 +13,7 @@ values with the SDK's in-memory reader. Prometheus names (a contract: dashboards
     kvguard_capacity_age_seconds{pool}                   age of the last capacity discovery
     kvguard_ledger_errors_total                          ledger calls that failed
     kvguard_config_reloads_total{result}                 result: applied|rejected
+    kvguard_drain_cut_streams_total                      streams still open at drain_seconds, cut
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ class Metrics:
         self._reloads = meter.create_counter(
             "kvguard_config_reloads", description="Policy reloads by result"
         )
+        self._drain_cut = meter.create_counter(
+            "kvguard_drain_cut_streams",
+            description="ext_proc streams still open at drain_seconds, cut at shutdown",
+        )
         meter.create_observable_gauge(
             "kvguard_reserved_blocks",
             callbacks=[self._per_pool(lambda: self.view.reserved)],
@@ -106,6 +112,10 @@ class Metrics:
 
     def record_reload(self, applied: bool) -> None:
         self._reloads.add(1, {"result": "applied" if applied else "rejected"})
+
+    def record_drain_cut(self, streams: int) -> None:
+        """Count the ext_proc streams still open when the drain ended: they were cut."""
+        self._drain_cut.add(streams)
 
     @staticmethod
     def _per_pool(

@@ -148,21 +148,30 @@ class Service:
         self._tasks = [asyncio.create_task(job) for job in jobs]
 
     async def stop(self, grace_s: float) -> None:
-        """Turn unready at once, give open streams `grace_s`, release every lease, close."""
+        """Turn unready at once, give open streams `grace_s`, cut and count the rest, release
+        every lease, close."""
         if self._stopping:
             return
         self._stopping = True
         self.health.set("draining", True)
+        cut: int | None = None
         try:
             # Keep answering a moment, NOT_SERVING, so health checks see it before refusals.
             await asyncio.sleep(min(DRAIN_NOTICE_S, grace_s))
-            await self.grpc.stop(max(grace_s - DRAIN_NOTICE_S, 0))
+            cut = await self.grpc.stop(max(grace_s - DRAIN_NOTICE_S, 0))
         finally:
             # Renewals end first: one in flight could record again a lease released below.
             await cancel_and_wait(self._tasks)
-            open_leases = self.keeper.open_leases
             await self.keeper.release_all()
-            log.info("drained; %d leases still open were released", open_leases)
+            if cut is not None:  # None: the server's stop failed (its error goes up)
+                # Their clients see the response end unfinished (README: "Health, drain, reload").
+                self.metrics.record_drain_cut(cut)
+                log.log(
+                    logging.WARNING if cut else logging.INFO,
+                    "drained: %d streams still open at drain_seconds were cut "
+                    "(their leases released)",
+                    cut,
+                )
             self.counter.close()
             await self.ledger.close()
             # Off the loop: the final export may wait on the network.

@@ -20,6 +20,10 @@ EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 READINESS_SERVICES = ("", EXT_PROC_SERVICE)
 LIVENESS_SERVICE = "liveness"
 
+# grpc's own grace is set this much longer than the drain's, so that kvguard counts the streams
+# still open before anything cuts them.
+CUT_MARGIN_S = 5.0
+
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -43,6 +47,7 @@ class GrpcServer:
                 ("grpc.so_reuseport", 1 if reuse_port else 0),
             ]
         )
+        self._processor = processor
         ext_proc_grpc.add_ExternalProcessorServicer_to_server(processor, self._server)
         if admin is not None:
             admin_pb2_grpc.add_AdminServiceServicer_to_server(admin, self._server)  # type: ignore[no-untyped-call]
@@ -72,6 +77,19 @@ class GrpcServer:
         await self._health.set(LIVENESS_SERVICE, _SERVING)
         await self._server.start()
 
-    async def stop(self, grace_s: float) -> None:
-        """Refuse new streams and give open ones `grace_s` seconds to finish."""
-        await self._server.stop(grace_s)
+    async def stop(self, grace_s: float) -> int:
+        """Refuse new streams, give open ones `grace_s` seconds to finish, then cut the rest.
+
+        Returns how many ext_proc streams were still open at the end of the grace (cut)."""
+        # Refuses new streams at once; stop(None) below cuts the rest (grpc: a later call with a
+        # shorter grace stops sooner).
+        graceful = asyncio.ensure_future(self._server.stop(grace_s + CUT_MARGIN_S))
+        try:
+            async with asyncio.timeout(grace_s):
+                await self._processor.idle()
+        except TimeoutError:
+            pass
+        cut = self._processor.open_streams
+        await self._server.stop(None)
+        await graceful
+        return cut
