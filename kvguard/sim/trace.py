@@ -9,8 +9,9 @@ The format is told by the header (the keys of the first JSON line):
 | plain | arrival_s, [tenant,] prompt_tokens, output_tokens (CSV, or JSON lines) |
 
 Without a tenant column every request belongs to the tenant "default". Arrivals are seconds
-from the first request; rows are sorted by arrival. Counts below 1 are raised to 1 (vLLM needs
-a prompt token and an output token).
+from the first request; rows must come in order of arrival. Token counts are whole numbers, not
+negative; 0 is raised to 1 (vLLM needs a prompt token and an output token). Errors name the
+file and the line (from 1, a CSV header being line 1).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from __future__ import annotations
 import csv
 import io
 import json
-from collections.abc import Callable, Iterable, Iterator, Mapping
+import math
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
@@ -63,93 +65,145 @@ class Trace:
 
 
 Row = Mapping[str, Any]
-_FORMATS: dict[str, tuple[frozenset[str], Callable[[Row], tuple[Any, str, Any, Any]]]] = {
-    "azure2023": (
-        frozenset({"TIMESTAMP", "ContextTokens", "GeneratedTokens"}),
-        lambda r: (r["TIMESTAMP"], SINGLE_TENANT, r["ContextTokens"], r["GeneratedTokens"]),
-    ),
-    "vtc_lmsys": (
-        frozenset({"req_time_s", "tenant", "prompt_len", "output_len"}),
-        lambda r: (r["req_time_s"], r["tenant"], r["prompt_len"], r["output_len"]),
-    ),
-    "plain": (
-        frozenset({"arrival_s", "prompt_tokens", "output_tokens"}),
-        lambda r: (
-            r["arrival_s"],
-            str(r.get("tenant") or SINGLE_TENANT),
-            r["prompt_tokens"],
-            r["output_tokens"],
-        ),
-    ),
+
+
+@dataclass(frozen=True, slots=True)
+class _Format:
+    """A format's columns. `tenant` None: one tenant; a tenant column that is not required may
+    be absent or empty (one tenant too)."""
+
+    arrival: str
+    prompt: str
+    output: str
+    tenant: str | None
+    tenant_required: bool = False
+
+    @property
+    def required(self) -> frozenset[str]:
+        columns = {self.arrival, self.prompt, self.output}
+        if self.tenant is not None and self.tenant_required:
+            columns.add(self.tenant)
+        return frozenset(columns)
+
+
+_FORMATS = {
+    "azure2023": _Format("TIMESTAMP", "ContextTokens", "GeneratedTokens", None),
+    "vtc_lmsys": _Format("req_time_s", "prompt_len", "output_len", "tenant", tenant_required=True),
+    "plain": _Format("arrival_s", "prompt_tokens", "output_tokens", "tenant"),
 }
 
 
 def detect(columns: Iterable[str]) -> str:
     """The format whose required columns are all present."""
     present = {c.strip() for c in columns}
-    for name, (required, _) in _FORMATS.items():
-        if required <= present:
+    for name, columns_of in _FORMATS.items():
+        if columns_of.required <= present:
             return name
-    expected = "; ".join(", ".join(sorted(req)) for req, _ in _FORMATS.values())
+    expected = "; ".join(", ".join(sorted(f.required)) for f in _FORMATS.values())
     raise ValueError(f"unknown columns {sorted(present)}; expected one of: {expected}")
 
 
-def _rows(text: str) -> tuple[list[str], Iterator[Row], int]:
-    """The columns, the rows, and the line number of the first row."""
+def _rows(text: str) -> tuple[list[str], Iterator[tuple[int, Row]]]:
+    """The columns, and each row with its line in the file (from 1; a CSV header is line 1)."""
     if text.lstrip().startswith("{"):
-        records = []
+        records: list[tuple[int, Row]] = []
         for number, line in enumerate(text.splitlines(), start=1):
-            if line.strip():
+            if not line.strip():
+                continue
+            try:
                 record = json.loads(line)
-                if not isinstance(record, dict):
-                    raise ValueError(f"line {number}: not a JSON object")
-                records.append(record)
-        return list(records[0]), iter(records), 1
+            except json.JSONDecodeError as exc:
+                problem = f"not JSON ({exc.msg}, column {exc.colno})"
+                raise ValueError(f"line {number}: {problem}") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"line {number}: not a JSON object")
+            records.append((number, {str(key).strip(): v for key, v in record.items()}))
+        return list(records[0][1]), iter(records)
     reader = csv.DictReader(io.StringIO(text))
-    return list(reader.fieldnames or []), iter(reader), 2
+    if reader.fieldnames:
+        reader.fieldnames = [name.strip() for name in reader.fieldnames]
+    # line_num: the line a row ends on (blank lines, which DictReader skips, count too).
+    return list(reader.fieldnames or []), ((reader.line_num, row) for row in reader)
 
 
-def _seconds(value: Any, first: list[datetime]) -> float:
-    if isinstance(value, int | float):
-        return float(value)
-    text = str(value).strip()
+def _number(column: str, value: Any) -> tuple[float, str]:
+    """The value as a float (nan when it is not a number), and how to show it."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise ValueError(f"{column} is missing")
+    if isinstance(value, bool):
+        return math.nan, json.dumps(value)
     try:
-        return float(text)
+        number = float(value)
+    except (TypeError, ValueError):
+        return math.nan, repr(value)
+    return number, value.strip() if isinstance(value, str) else str(value)
+
+
+def _seconds(column: str, value: Any, first: list[datetime]) -> float:
+    """Seconds: a number, or an ISO date and time (seconds from the first one)."""
+    seconds, shown = _number(column, value)
+    if math.isfinite(seconds):
+        return seconds
+    try:
+        stamp = datetime.fromisoformat(str(value).strip())
     except ValueError:
-        stamp = datetime.fromisoformat(text)
+        raise ValueError(f"{column} is {shown}: expected seconds or an ISO date and time") from None
     if not first:
         first.append(stamp)
     return (stamp - first[0]).total_seconds()
 
 
+def _tokens(column: str, value: Any) -> int:
+    """A token count: a whole number, not negative; 0 is raised to 1 (vLLM needs one)."""
+    count, shown = _number(column, value)
+    if not count.is_integer():  # nan and inf are not either
+        raise ValueError(f"{column} is {shown}: token counts are whole numbers")
+    if count < 0:
+        raise ValueError(f"{column} is {shown}: token counts cannot be negative")
+    return max(1, int(count))
+
+
 def parse(text: str, source: str, *, limit: int | None = None) -> Trace:
-    """Read trace `text` (`source` names it in errors); keep the first `limit` rows."""
+    """Read trace `text` (`source` names it in errors); keep the first `limit` rows.
+
+    Rows must come in order of arrival (equal arrivals are fine)."""
     try:
-        columns, rows, first_line = _rows(text)
+        columns, rows = _rows(text)
         name = detect(columns)
-        extract = _FORMATS[name][1]
+        columns_of = _FORMATS[name]
         requests: list[TraceRequest] = []
         first: list[datetime] = []
-        for line, row in enumerate(rows, start=first_line):
+        previous = ""  # the previous row's arrival, as written
+        for line, row in rows:
             if limit is not None and len(requests) >= limit:
                 break
             try:
-                arrival, tenant, prompt, output = extract(row)
+                value = row.get(columns_of.arrival)
+                arrival = _seconds(columns_of.arrival, value, first)
+                written = str(value).strip()
+                if requests and arrival < requests[-1].arrival_s:
+                    raise ValueError(
+                        f"{columns_of.arrival} {written} is before the previous row's "
+                        f"{previous}: rows must be in order of arrival"
+                    )
+                previous = written
+                tenant = row.get(columns_of.tenant) if columns_of.tenant else None
+                if columns_of.tenant_required and tenant in (None, ""):
+                    raise ValueError(f"{columns_of.tenant} is missing")
                 requests.append(
                     TraceRequest(
-                        _seconds(arrival, first),
-                        str(tenant),
-                        max(1, int(prompt)),
-                        max(1, int(output)),
+                        arrival,
+                        str(tenant or SINGLE_TENANT),
+                        _tokens(columns_of.prompt, row.get(columns_of.prompt)),
+                        _tokens(columns_of.output, row.get(columns_of.output)),
                     )
                 )
-            except (KeyError, TypeError, ValueError) as exc:
-                raise ValueError(f"row {line}: {exc}") from None
+            except ValueError as exc:
+                raise ValueError(f"line {line}: {exc}") from None
     except ValueError as exc:
         raise TraceError(f"{source}: {exc}") from None
     if not requests:
         raise TraceError(f"{source}: no requests")
-    requests.sort(key=lambda r: r.arrival_s)
     start = requests[0].arrival_s
     return Trace(name, [replace(r, arrival_s=r.arrival_s - start) for r in requests])
 

@@ -102,3 +102,22 @@ async def test_errors_name_the_file_and_what_to_do(tmp_path: Path) -> None:
     code, _, err = await simulate("--trace", str(bad), "--config", str(discovered),
                                   "--blocks", "100", "--block-size", "16")  # fmt: skip
     assert code == 1 and err.startswith(f"error: {bad}: unknown columns ['what', 'when']")
+
+
+async def test_a_bad_trace_row_is_one_error_line_naming_the_line(tmp_path: Path) -> None:
+    config = write_config(tmp_path, {"blocks": 300, "block_size": 16})
+    cases = {
+        "backwards.csv": (
+            "arrival_s,prompt_tokens,output_tokens\n0,10,5\n2,10,5\n1,10,5\n",
+            "line 4: arrival_s 1 is before the previous row's 2: rows must be in order of arrival",
+        ),
+        "negative.jsonl": (
+            '{"arrival_s": 0, "prompt_tokens": 10, "output_tokens": -5}\n',
+            "line 1: output_tokens is -5: token counts cannot be negative",
+        ),
+    }
+    for name, (text, problem) in cases.items():
+        trace = tmp_path / name
+        trace.write_text(text)
+        code, out, err = await simulate("--trace", str(trace), "--config", str(config))
+        assert (code, out, err) == (1, "", f"error: {trace}: {problem}\n")

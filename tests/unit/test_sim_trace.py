@@ -38,12 +38,14 @@ def test_vtc_lmsys_keeps_its_tenants() -> None:
     assert "dummy-lora-7b-rank-8-0" in trace.tenants and len(trace.tenants) > 3
 
 
-def test_plain_csv_and_jsonl_sort_by_arrival_and_default_the_tenant() -> None:
-    csv_trace = parse("arrival_s,prompt_tokens,output_tokens\n2.5,10,0\n1.0,20,5\n", "t.csv")
+def test_plain_csv_and_jsonl_default_the_tenant() -> None:
+    text = "arrival_s,prompt_tokens,output_tokens\n1.0,20,5\n2.5,10,0\n2.5,7,3.0\n"
+    csv_trace = parse(text, "t.csv")
     assert csv_trace.format == "plain"
     assert csv_trace.requests == [
         TraceRequest(0.0, SINGLE_TENANT, 20, 5),
-        TraceRequest(1.5, SINGLE_TENANT, 10, 1),  # counts below 1 are raised to 1
+        TraceRequest(1.5, SINGLE_TENANT, 10, 1),  # a count of 0 is raised to 1
+        TraceRequest(1.5, SINGLE_TENANT, 7, 3),  # equal arrivals are in order; 3.0 is whole
     ]
     lines = [
         {"arrival_s": 0, "tenant": "a", "prompt_tokens": 3, "output_tokens": 4},
@@ -58,7 +60,6 @@ def test_plain_csv_and_jsonl_sort_by_arrival_and_default_the_tenant() -> None:
     ("text", "message"),
     [
         ("time,prompt,output\n1,2,3\n", "t.csv: unknown columns ['output', 'prompt', 'time']"),
-        ("arrival_s,prompt_tokens,output_tokens\n1,x,3\n", "t.csv: row 2: invalid literal"),
         ("arrival_s,prompt_tokens,output_tokens\n", "t.csv: no requests"),
     ],
 )
@@ -66,6 +67,79 @@ def test_unreadable_traces_name_the_file_and_the_problem(text: str, message: str
     with pytest.raises(TraceError) as caught:
         parse(text, "t.csv")
     assert str(caught.value).startswith(message)
+
+
+PLAIN = "arrival_s,tenant,prompt_tokens,output_tokens\n0,a,3,4\n"
+JSONL = '{"arrival_s": 0, "prompt_tokens": 3, "output_tokens": 4}\n\n'  # line 2 is blank
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            PLAIN + "1,a,-5,4\n",
+            "t.csv: line 3: prompt_tokens is -5: token counts cannot be negative",
+        ),
+        (
+            PLAIN + "1,a,5,-1\n",
+            "t.csv: line 3: output_tokens is -1: token counts cannot be negative",
+        ),
+        (
+            PLAIN + "1,a,5,2.5\n",
+            "t.csv: line 3: output_tokens is 2.5: token counts are whole numbers",
+        ),
+        (
+            PLAIN + "1,a,x,4\n",
+            "t.csv: line 3: prompt_tokens is 'x': token counts are whole numbers",
+        ),
+        (PLAIN + "1,a,,4\n", "t.csv: line 3: prompt_tokens is missing"),
+        (
+            PLAIN + "2,a,3,4\n\n1.5,b,3,4\n",  # the blank line 4 counts
+            "t.csv: line 5: arrival_s 1.5 is before the previous row's 2: rows must be in "
+            "order of arrival",
+        ),
+        (
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:50.9,396,109\n"
+            "2023-11-16 18:15:46.6,374,44\n",
+            "t.csv: line 3: TIMESTAMP 2023-11-16 18:15:46.6 is before the previous row's "
+            "2023-11-16 18:15:50.9: rows must be in order of arrival",
+        ),
+        (
+            "req_time_s,tenant,prompt_len,output_len\n0,a,13,199\n0.5,b,12.5,3\n",
+            "t.csv: line 3: prompt_len is 12.5: token counts are whole numbers",
+        ),
+        (
+            PLAIN + "soon,a,3,4\n",
+            "t.csv: line 3: arrival_s is 'soon': expected seconds or an ISO date and time",
+        ),
+        (
+            JSONL + '{"arrival_s": 1, "prompt_tokens": -2, "output_tokens": 4}\n',
+            "t.csv: line 3: prompt_tokens is -2: token counts cannot be negative",
+        ),
+        (
+            JSONL + '{"arrival_s": 1, "prompt_tokens": 2, "output_tokens": 0.5}\n',
+            "t.csv: line 3: output_tokens is 0.5: token counts are whole numbers",
+        ),
+        (
+            JSONL + '{"arrival_s": 1, "prompt_tokens": true, "output_tokens": 4}\n',
+            "t.csv: line 3: prompt_tokens is true: token counts are whole numbers",
+        ),
+        (
+            JSONL + '{"arrival_s": -1, "prompt_tokens": 2, "output_tokens": 4}\n',
+            "t.csv: line 3: arrival_s -1 is before the previous row's 0: rows must be in "
+            "order of arrival",
+        ),
+        (
+            JSONL + '{"arrival_s": 1, "prompt_tokens": 2,\n',
+            "t.csv: line 3: not JSON (Expecting property name enclosed in double quotes, "
+            "column 37)",
+        ),
+    ],
+)
+def test_bad_rows_are_errors_that_name_the_line(text: str, message: str) -> None:
+    with pytest.raises(TraceError) as caught:
+        parse(text, "t.csv")
+    assert str(caught.value) == message
 
 
 def test_prompt_tokens_come_from_kvguard_header_else_the_approximation() -> None:
