@@ -212,6 +212,13 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
         if not isinstance(exc, Refusal):
             log.exception("internal error deciding request %s", exchange.decision.request_id)
             exc = Refusal(Code.INTERNAL_ERROR, "kvguard failed to decide this request")
+        elif exc.code is Code.INTERNAL_ERROR:  # kvguard's own 503 (busy counting): where from
+            log.warning(
+                "internal_error answered to request %s: %s",
+                exchange.decision.request_id,
+                exc.message,
+                exc_info=exc,
+            )
         if not exchange.recorded:  # refused before the body: count and log it here
             exchange.recorded = True
             exchange.decision.refused(exc.code)

@@ -1,0 +1,50 @@
+"""Every 503 internal_error kvguard answers leaves its traceback in the log: a fault, and the
+refusal of a large prompt while too much counting is queued."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvguard.server import Service
+from tests.protocol.harness import body, exchange, headers, refusal, running
+
+# Above kvguard.counting.INLINE_BODY_BYTES: counted on a thread, where the backlog applies.
+LARGE = {"model": "qwen", "messages": [{"role": "user", "content": "word " * 2000}]}
+
+
+def _ledger_fault(service: Service, monkeypatch: pytest.MonkeyPatch) -> str:
+    async def broken(*_: object) -> None:
+        raise RuntimeError("ledger exploded")
+
+    monkeypatch.setattr(service.admission.ledger, "reserve", broken)
+    return "ledger exploded"
+
+
+def _counting_backlog(service: Service, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setattr(service.admission.counter, "_too_busy", lambda _bytes: True)
+    return "kvguard/counting.py"  # where the refusal was raised
+
+
+@pytest.mark.parametrize("cause", [_ledger_fault, _counting_backlog])
+async def test_an_internal_error_answer_logs_its_traceback(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    cause: Callable[[Service, pytest.MonkeyPatch], str],
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvguard.extproc.service")
+    async with running(tmp_path) as (service, stub):
+        expected = cause(service, monkeypatch)
+        _, (_, answer) = await exchange(
+            stub, headers("/v1/chat/completions", {"x-request-id": "r-1"}), body(LARGE)
+        )
+        status, hdrs, error = refusal(answer)
+        assert (status, hdrs["x-kvguard-reason"]) == (503, "internal_error")
+        assert error["error"]["code"] == "internal_error"
+        (record,) = [r for r in caplog.records if r.exc_info]
+        assert "r-1" in record.getMessage()
+        assert expected in caplog.text  # the traceback, not only a line
