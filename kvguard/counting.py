@@ -9,6 +9,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
 from kvguard.errors import Code, Refusal, invalid
+from kvguard.prefix_bound import look_chars
 from kvguard.request import InferenceRequest, add_special_tokens, prompts_of
 from kvguard.tokenizer import PoolTokenizer, TokenizerError
 
@@ -38,13 +39,16 @@ def count_prompts(
     max_model_len: int | None = None,
 ) -> list[int]:
     """Prompt tokens per sequence, as vLLM reports them: one entry for chat, one per prompt
-    of a completion. Raises Refusal(invalid_request) where vLLM would answer 400.
+    of a completion. Raises Refusal(invalid_request) where vLLM would answer 400, and
+    Refusal(context_length_exceeded) for a prompt that reaches `max_model_len`: such a prompt
+    is counted only until it is known to (a long one is never tokenized whole).
 
     `media_tokens` is the pool's declared cost per media content-part type (chat only);
     `max_model_len` resolves `truncate_prompt_tokens: -1`.
     """
     special = add_special_tokens(request)
     param = "messages" if request.kind == "chat" else "prompt"
+    stop_at = _enough(request, max_model_len)
     media = 0
     try:
         if request.kind == "chat":
@@ -54,7 +58,7 @@ def count_prompts(
         else:
             prompts = prompts_of(request)
         texts = [p for p in prompts if isinstance(p, str)]
-        counted = tokenizer.count_many(texts, special)
+        counted = tokenizer.count_many(texts, special, stop_at)
     except TokenizerError as exc:
         raise invalid(str(exc), param) from None
     text_counts = iter(counted)
@@ -64,7 +68,26 @@ def count_prompts(
     ]
     if 0 in counts:
         raise invalid("a prompt is empty after tokenization, which vLLM refuses", param)
+    if max_model_len is not None and max(counts) >= max_model_len:
+        # Counting may have stopped at max_model_len: what is known is a lower bound.
+        raise Refusal(
+            Code.CONTEXT_LENGTH_EXCEEDED,
+            f"the prompt has at least {max(counts)} tokens, which reaches this model's maximum "
+            f"context length of {max_model_len} tokens",
+            param,
+        )
     return counts
+
+
+def _enough(request: InferenceRequest, max_model_len: int | None) -> int | None:
+    """The count past which the exact number changes nothing (None: none): at max_model_len a
+    prompt is refused, and vLLM keeps at most `truncate_prompt_tokens` of it."""
+    if max_model_len is None:
+        return None
+    keep = request.truncate_prompt_tokens
+    if keep is None:
+        return max_model_len
+    return min(max_model_len, max_model_len - 1 if keep == -1 else keep)
 
 
 def _kept(tokens: int, request: InferenceRequest, max_model_len: int | None) -> int:
@@ -86,8 +109,9 @@ class PromptCounter:
     The bound is on work, not only on threads: the body bytes queued or running must take
     at most MAX_BACKLOG_S to count at the measured speed (or stay under `pending_bytes`, when
     given). Past it a request is refused at once (503, retry-after) instead of waiting past
-    Envoy's message timeout. Work stays counted until its thread finishes, even when the
-    stream that asked for it is gone.
+    Envoy's message timeout. A body counts as much of it as counting reads: a prompt stops
+    being counted once it reaches max_model_len (`work_bytes`). Work stays counted until its
+    thread finishes, even when the stream that asked for it is gone.
     """
 
     def __init__(self, workers: int = 2, pending_bytes: int | None = None) -> None:
@@ -100,7 +124,7 @@ class PromptCounter:
 
     @property
     def pending_bytes(self) -> int:
-        """Body bytes queued or being counted off the event loop."""
+        """Body bytes (`work_bytes` of each) queued or being counted off the event loop."""
         return self._pending
 
     @property
@@ -135,24 +159,25 @@ class PromptCounter:
         )
         if body_bytes <= INLINE_BODY_BYTES:
             return work()
-        if self._too_busy(body_bytes):
+        read = work_bytes(body_bytes, max_model_len)
+        if self._too_busy(read):
             raise Refusal(
                 Code.INTERNAL_ERROR,
                 "kvguard is busy counting other large prompts; retry later",
                 retry_after_s=RETRY_AFTER_S,
             )
-        self._pending += body_bytes
-        long = body_bytes > LONG_BODY_BYTES
+        self._pending += read
+        long = read > LONG_BODY_BYTES
         if long:
             try:
                 await self._long.acquire()
             except BaseException:  # the stream went away while waiting: nothing ran
-                self._pending -= body_bytes
+                self._pending -= read
                 raise
         loop = asyncio.get_running_loop()
         future = self._executor.submit(_timed, work)
         # When the thread finishes, or at once if cancelled while still queued.
-        future.add_done_callback(partial(self._finished, loop, body_bytes, long))
+        future.add_done_callback(partial(self._finished, loop, read, long))
         counts, _ = await asyncio.wrap_future(future)
         return counts
 
@@ -178,6 +203,14 @@ class PromptCounter:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def work_bytes(body_bytes: int, max_model_len: int | None) -> int:
+    """The bytes of a body that counting reads at most, about: a prompt that passes
+    max_model_len is read only until it is known to (kvguard.prefix_bound)."""
+    if max_model_len is None:
+        return body_bytes
+    return min(body_bytes, 2 * look_chars(max_model_len))
 
 
 def _timed(work: Callable[..., list[int]]) -> tuple[list[int], float]:

@@ -16,13 +16,15 @@ here): the caller then tokenizes whole texts, as before.
 
 from __future__ import annotations
 
+import math
 import re
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any, cast
 
 from tokenizers import Tokenizer
 
+from kvguard.prefix_bound import count_at_least, look_chars, margin_chars, worth_bounding
 from kvguard.pretokens import PreTokenCounter, component_state
 
 # Normalizers and pre-tokenizers that act on each segment alone, whatever precedes it. Every
@@ -82,6 +84,7 @@ class SegmentCounter:
         )
         # Segments of common text are counted by pre-tokens where the tokenizer allows it.
         self._pre_tokens = PreTokenCounter.for_tokenizer(tokenizer)
+        self._margin = margin_chars(tokenizer)
         self._counts: OrderedDict[str, int] = OrderedDict()
         self._cached_chars = 0
         self._max_cached_chars = max_cached_chars
@@ -106,8 +109,10 @@ class SegmentCounter:
     def cached_segments(self) -> int:
         return len(self._counts)
 
-    def count(self, text: str, add_special_tokens: bool) -> int:
-        """Tokens in `text`, exactly as `len(tokenizer.encode(text, add_special_tokens))`."""
+    def count(self, text: str, add_special_tokens: bool, stop_at: int | None = None) -> int:
+        """Tokens in `text`, exactly as `len(tokenizer.encode(text, add_special_tokens))`; with
+        `stop_at`, a count of `stop_at` or more may be a lower bound (a long text is then
+        counted only until it is known to reach `stop_at`)."""
         parts = self._split(text)  # segment, token, segment, …, segment
         segments = parts[::2]
         total = len(parts) // 2 + (self._added_by_post_processor if add_special_tokens else 0)
@@ -122,12 +127,47 @@ class SegmentCounter:
                 else:
                     self._counts.move_to_end(segment)
                     total += known
-        if missing:
-            unique = list(dict.fromkeys(missing))
-            counted = dict(zip(unique, self._tokenize(unique), strict=True))
-            total += sum(counted[s] for s in missing)
-            self._remember(counted)
+        if not missing:
+            return total
+        if stop_at is not None and worth_bounding(sum(map(len, missing)), stop_at):
+            return self._count_until(missing, total, stop_at)
+        unique = list(dict.fromkeys(missing))
+        counted = dict(zip(unique, self._tokenize(unique), strict=True))
+        total += sum(counted[s] for s in missing)
+        self._remember(counted)
         return total
+
+    def _count_until(self, missing: list[str], total: int, stop_at: int) -> int:
+        """`total` plus the tokens of the `missing` segments, counted in text order, a batch of
+        about look_chars(stop_at) characters at a time, until the sum reaches `stop_at`.
+        A segment longer than that is bounded from its prefixes (kvguard.prefix_bound)."""
+        look = look_chars(stop_at)
+        repeats = Counter(missing)
+        batch: list[str] = []
+        batch_chars = 0
+        for segment in repeats:  # in the order of first appearance
+            if total >= stop_at:
+                return total
+            if len(segment) <= look:
+                batch.append(segment)
+                batch_chars += len(segment)
+                if batch_chars >= look:
+                    total += self._count_batch(batch, repeats)
+                    batch, batch_chars = [], 0
+                continue
+            need = math.ceil((stop_at - total) / repeats[segment])
+            tokens, exact = count_at_least(self._tokenizer, segment, need, False, self._margin)
+            if exact:
+                self._remember({segment: tokens})
+            total += tokens * repeats[segment]
+        if batch and total < stop_at:
+            total += self._count_batch(batch, repeats)
+        return total
+
+    def _count_batch(self, segments: list[str], repeats: Counter[str]) -> int:
+        counted = dict(zip(segments, self._tokenize(segments), strict=True))
+        self._remember(counted)
+        return sum(tokens * repeats[s] for s, tokens in counted.items())
 
     def _tokenize(self, segments: list[str]) -> list[int]:
         counter = self._pre_tokens

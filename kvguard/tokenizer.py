@@ -23,6 +23,7 @@ from tokenizers import AddedToken, Tokenizer
 from kvguard.chat_arguments import template_arguments
 from kvguard.chat_messages import TokenizerError, normalise_messages, normalise_tools
 from kvguard.chat_template import ChatTemplate, ChatTemplateError
+from kvguard.prefix_bound import count_at_least, margin_chars, worth_bounding
 from kvguard.segments import SegmentCounter
 
 __all__ = ["ChatPrompt", "PoolTokenizer", "TokenizerError"]
@@ -61,6 +62,7 @@ class PoolTokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._segments = SegmentCounter.for_tokenizer(tokenizer)
+        self._margin = margin_chars(tokenizer)
         self._templates = dict(templates)  # "default", and "tool_use" etc. for named templates
         self._special_tokens = dict(special_tokens)
 
@@ -134,20 +136,29 @@ class PoolTokenizer:
             raise TokenizerError(str(exc)) from None
         return ChatPrompt(text, media)
 
-    def count(self, text: str, add_special_tokens: bool) -> int:
+    def count(self, text: str, add_special_tokens: bool, stop_at: int | None = None) -> int:
         """Tokens in `text`: segments between added tokens that were counted before are not
-        tokenized again (kvguard.segments). Tokenizing releases the GIL."""
-        if self._segments is not None:
-            return self._segments.count(text, add_special_tokens)
-        return self.count_many([text], add_special_tokens)[0]
+        tokenized again (kvguard.segments). Tokenizing releases the GIL. With `stop_at`, a
+        count of `stop_at` or more may be a lower bound: a long text is counted only until it
+        is known to reach it (kvguard.prefix_bound)."""
+        return self.count_many([text], add_special_tokens, stop_at)[0]
 
-    def count_many(self, texts: list[str], add_special_tokens: bool) -> list[int]:
-        """Tokens in each text."""
+    def count_many(
+        self, texts: list[str], add_special_tokens: bool, stop_at: int | None = None
+    ) -> list[int]:
+        """Tokens in each text; `stop_at` as for `count`."""
         if self._segments is not None:
-            return [self._segments.count(t, add_special_tokens) for t in texts]
+            return [self._segments.count(t, add_special_tokens, stop_at) for t in texts]
+        bounded = {
+            i: count_at_least(self._tokenizer, text, stop_at, add_special_tokens, self._margin)[0]
+            for i, text in enumerate(texts)
+            if stop_at is not None and worth_bounding(len(text), stop_at)
+        }
+        whole = [text for i, text in enumerate(texts) if i not in bounded]
         # encode_batch_fast: the same tokens as encode, without the offsets.
-        encodings = self._tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
-        return [len(e) for e in encodings]
+        encode = self._tokenizer.encode_batch_fast
+        encoded = iter(encode(whole, add_special_tokens=add_special_tokens) if whole else [])
+        return [bounded[i] if i in bounded else len(next(encoded)) for i in range(len(texts))]
 
     def _template_for(self, tools: list[Any] | None) -> ChatTemplate:
         # transformers' get_chat_template: named templates prefer "tool_use" when tools are sent.

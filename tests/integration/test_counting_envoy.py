@@ -29,9 +29,9 @@ async def test_a_slow_count_is_decided_not_timed_out(
         count_many = tokenizer.count_many
         never = threading.Event()
 
-        def slow(texts: list[str], special: bool) -> list[int]:
+        def slow(texts: list[str], special: bool, stop_at: int | None = None) -> list[int]:
             never.wait(SLOW_COUNT_S)  # stands for a count this slow on the worker thread
-            return count_many(texts, special)
+            return count_many(texts, special, stop_at)
 
         monkeypatch.setattr(tokenizer, "count_many", slow)
         payload = {

@@ -84,15 +84,15 @@ class PoolWatch:
         self.running = self.most_running = 0
         self._count_many = tokenizer.count_many
 
-    def count_many(self, texts: list[str], special: bool) -> list[int]:
+    def count_many(self, texts: list[str], special: bool, stop_at: int | None = None) -> list[int]:
         if threading.current_thread() is threading.main_thread():
-            return self._count_many(texts, special)
+            return self._count_many(texts, special, stop_at)
         with self.lock:
             self.running += 1
             self.most_running = max(self.most_running, self.running)
         self.started.release()
         try:
-            counts = self._count_many(texts, special)
+            counts = self._count_many(texts, special, stop_at)
             assert self.release.wait(10), "never released"
             return counts
         finally:

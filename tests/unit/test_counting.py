@@ -527,19 +527,19 @@ class _Gated:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tokenizer, name)
 
-    def count_many(self, texts: list[str], special: bool) -> list[int]:
+    def count_many(self, texts: list[str], special: bool, stop_at: int | None = None) -> list[int]:
         if threading.current_thread() is threading.main_thread():
             self.inline += 1
-            return self._tokenizer.count_many(texts, special)
+            return self._tokenizer.count_many(texts, special, stop_at)
         if sum(map(len, texts)) <= self._gate_chars:
-            return self._tokenizer.count_many(texts, special)
+            return self._tokenizer.count_many(texts, special, stop_at)
         with self.lock:
             self.running += 1
             self.most_running = max(self.most_running, self.running)
         self.started.release()
         try:
             assert self.release.wait(10), "never released"
-            return self._tokenizer.count_many(texts, special)
+            return self._tokenizer.count_many(texts, special, stop_at)
         finally:
             with self.lock:
                 self.running -= 1
@@ -629,9 +629,9 @@ class _Slow:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tokenizer, name)
 
-    def count_many(self, texts: list[str], special: bool) -> list[int]:
+    def count_many(self, texts: list[str], special: bool, stop_at: int | None = None) -> list[int]:
         threading.Event().wait(self._seconds)  # stands for slow counting, not a synchronisation
-        return self._tokenizer.count_many(texts, special)
+        return self._tokenizer.count_many(texts, special, stop_at)
 
 
 async def test_the_backlog_bound_follows_the_measured_speed(
