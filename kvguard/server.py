@@ -129,6 +129,8 @@ class Service:
         for section in ("server", "ledger"):
             if getattr(config, section) != getattr(self.config, section):
                 log.warning("%s: the %s section changed; a restart applies it", path, section)
+        for warning in policies.warnings(config):
+            log.warning("%s: %s", path, warning)
         return policies.build(config, self._tokenizers)
 
     async def start(self) -> None:

@@ -75,7 +75,9 @@ async def test_configmap_swap_applies_and_a_bad_change_keeps_the_last_good_polic
 
     try:
         assert await cap_seen() == 512
+        caplog.set_level(logging.WARNING, logger="kvguard.server")
         data["tenancy"]["tiers"]["pro"]["max_tokens_cap"] = 1000
+        data["tenancy"]["tiers"]["pro"]["max_blocks"] = 5000  # above the pool's limit: a warning
         configmap_update(tmp_path, "v2", data)
 
         async def new_cap() -> bool:
@@ -83,6 +85,10 @@ async def test_configmap_swap_applies_and_a_bad_change_keeps_the_last_good_polic
 
         await wait_until(new_cap)
         assert reloads(reader) == {"applied": 1}
+        # A reload warns of what can never admit, as check-config and serve's start do.
+        assert f"{path}: tenancy.tiers.pro.max_blocks: 5000 is not below any pool's limit" in (
+            caplog.text
+        )
 
         caplog.set_level(logging.ERROR, logger="kvguard.reload")
         data["tenancy"]["tiers"]["pro"]["max_tokens_cap"] = -1
