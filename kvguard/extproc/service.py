@@ -73,17 +73,11 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
         self._keeper = keeper
         self._telemetry = telemetry
         self._open_streams = 0
-        self._idle = asyncio.Event()  # set while no stream is open
-        self._idle.set()
 
     @property
     def open_streams(self) -> int:
         """ext_proc streams open now (one per HTTP exchange in flight)."""
         return self._open_streams
-
-    async def idle(self) -> None:
-        """Return once no stream is open."""
-        await self._idle.wait()
 
     async def Process(
         self,
@@ -93,7 +87,6 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
         exchange = _Exchange(self._policy())
         lease: Lease | None = None  # domain state, released however the stream ends
         self._open_streams += 1
-        self._idle.clear()
         try:
             async for message in request_iterator:
                 try:
@@ -114,8 +107,6 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
             if lease is not None:
                 self._keeper.release(lease)
             self._open_streams -= 1
-            if not self._open_streams:
-                self._idle.set()
 
     def _on_request_headers(self, exchange: _Exchange, message: HttpHeaders) -> ProcessingResponse:
         headers = exchange.headers = _headers(message.headers)

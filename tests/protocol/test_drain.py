@@ -13,6 +13,7 @@ import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
+from kvguard.extproc.service import ExternalProcessor
 from kvguard.telemetry import Providers
 from tests.protocol.harness import body, exchange, headers, reserved, running, wait_until
 
@@ -79,6 +80,50 @@ async def test_streams_that_end_within_the_grace_are_waited_for_not_cut(
             await call.done_writing()
             assert await call.read() == grpc.aio.EOF
         await stopping  # returns once both streams ended, long before the grace
+
+        assert drain_cut(reader) == [0]
+        assert drained(caplog) == [
+            "drained: 0 streams still open at drain_seconds were cut (their leases released)"
+        ]
+        assert await reserved(service) == 0
+
+
+async def test_a_stream_taken_before_the_grace_but_not_yet_handled_is_served(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gRPC has taken the stream, but its handler has not started when the drain begins (the
+    moment between the two): the drain waits for it like any other, and nothing is cut."""
+    reader = InMemoryMetricReader()
+    caplog.set_level(logging.INFO, logger="kvguard.server")
+    providers = Providers(MeterProvider([reader]), None, None)
+    taken, release = asyncio.Event(), asyncio.Event()
+    process = ExternalProcessor.Process
+
+    async def held(self: ExternalProcessor, requests: Any, context: Any) -> None:
+        if not taken.is_set():  # the first stream only; _refused's probes pass straight through
+            taken.set()
+            await release.wait()
+        await process(self, requests, context)
+
+    monkeypatch.setattr(ExternalProcessor, "Process", held)  # before the servicer is registered
+    async with running(tmp_path, providers=providers) as (service, stub):
+        call = stub.Process()
+        await call.write(headers("/v1/chat/completions"))
+        await taken.wait()  # gRPC took the stream; kvguard's handler has not started
+        stopping = asyncio.create_task(service.stop(600))
+        await wait_until(lambda: _refused(stub))  # the grace has begun
+        release.set()
+
+        first = await call.read()
+        await call.write(body(CHAT))
+        second = await call.read()
+        await call.done_writing()
+        assert await call.read() == grpc.aio.EOF
+        assert (first.WhichOneof("response"), second.WhichOneof("response")) == (
+            "request_headers",
+            "request_body",
+        )
+        await stopping
 
         assert drain_cut(reader) == [0]
         assert drained(caplog) == [
