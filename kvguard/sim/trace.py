@@ -9,7 +9,8 @@ The format is told by the header (the keys of the first JSON line):
 | plain | arrival_s, [tenant,] prompt_tokens, output_tokens (CSV, or JSON lines) |
 
 Without a tenant column every request belongs to the tenant "default". Arrivals are seconds
-from the first request; rows must come in order of arrival. Token counts are whole numbers, not
+from the first request (numbers, or ISO dates and times: all with a timezone or all without);
+rows must come in order of arrival. Token counts are whole numbers, not
 negative; 0 is raised to 1 (vLLM needs a prompt token and an output token). Errors name the
 file and the line (from 1, a CSV header being line 1).
 """
@@ -139,18 +140,28 @@ def _number(column: str, value: Any) -> tuple[float, str]:
     return number, value.strip() if isinstance(value, str) else str(value)
 
 
-def _seconds(column: str, value: Any, first: list[datetime]) -> float:
-    """Seconds: a number, or an ISO date and time (seconds from the first one)."""
+def _seconds(column: str, value: Any, first: list[tuple[datetime, str]]) -> float:
+    """Seconds: a number, or an ISO date and time (seconds from the first one, kept in `first`
+    with how it was written)."""
     seconds, shown = _number(column, value)
     if math.isfinite(seconds):
         return seconds
+    written = str(value).strip()
     try:
-        stamp = datetime.fromisoformat(str(value).strip())
+        stamp = datetime.fromisoformat(written)
     except ValueError:
         raise ValueError(f"{column} is {shown}: expected seconds or an ISO date and time") from None
     if not first:
-        first.append(stamp)
-    return (stamp - first[0]).total_seconds()
+        first.append((stamp, written))
+    start, start_written = first[0]
+    if (stamp.utcoffset() is None) != (start.utcoffset() is None):
+        # Python cannot subtract the two, and nothing says how far apart they are.
+        this, that = ("no timezone", "one") if stamp.utcoffset() is None else ("a timezone", "none")
+        raise ValueError(
+            f"{column} {written} has {this} and the first row's {start_written} has {that}: "
+            "give every time a timezone, or none"
+        )
+    return (stamp - start).total_seconds()
 
 
 def _tokens(column: str, value: Any) -> int:
@@ -172,7 +183,7 @@ def parse(text: str, source: str, *, limit: int | None = None) -> Trace:
         name = detect(columns)
         columns_of = _FORMATS[name]
         requests: list[TraceRequest] = []
-        first: list[datetime] = []
+        first: list[tuple[datetime, str]] = []
         previous = ""  # the previous row's arrival, as written
         for line, row in rows:
             if limit is not None and len(requests) >= limit:

@@ -115,6 +115,12 @@ async def test_a_bad_trace_row_is_one_error_line_naming_the_line(tmp_path: Path)
             '{"arrival_s": 0, "prompt_tokens": 10, "output_tokens": -5}\n',
             "line 1: output_tokens is -5: token counts cannot be negative",
         ),
+        "timezones.csv": (
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,10,5\n"
+            "2023-11-16 18:15:50Z,10,5\n",
+            "line 3: TIMESTAMP 2023-11-16 18:15:50Z has a timezone and the first row's "
+            "2023-11-16 18:15:46 has none: give every time a timezone, or none",
+        ),
     }
     for name, (text, problem) in cases.items():
         trace = tmp_path / name

@@ -105,6 +105,18 @@ JSONL = '{"arrival_s": 0, "prompt_tokens": 3, "output_tokens": 4}\n\n'  # line 2
             "2023-11-16 18:15:50.9: rows must be in order of arrival",
         ),
         (
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6,396,109\n"
+            "2023-11-16 18:15:50.9+00:00,374,44\n",
+            "t.csv: line 3: TIMESTAMP 2023-11-16 18:15:50.9+00:00 has a timezone and the first "
+            "row's 2023-11-16 18:15:46.6 has none: give every time a timezone, or none",
+        ),
+        (
+            JSONL.replace('"arrival_s": 0', '"arrival_s": "2023-11-16T18:15:46+01:00"')
+            + '{"arrival_s": "2023-11-16T18:15:50", "prompt_tokens": 2, "output_tokens": 4}\n',
+            "t.csv: line 3: arrival_s 2023-11-16T18:15:50 has no timezone and the first row's "
+            "2023-11-16T18:15:46+01:00 has one: give every time a timezone, or none",
+        ),
+        (
             "req_time_s,tenant,prompt_len,output_len\n0,a,13,199\n0.5,b,12.5,3\n",
             "t.csv: line 3: prompt_len is 12.5: token counts are whole numbers",
         ),
