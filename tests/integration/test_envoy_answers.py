@@ -1,13 +1,16 @@
 """What the client sees from the shipped envoy/envoy.yaml when Envoy answers by itself: kvguard
-unreachable, its message timeout, a body above the buffer limit, vLLM unreachable, each in the
-OpenAI error schema with a reason; and kvguard's own answers byte for byte as kvguard built them.
+unreachable, its message timeout, a body above the buffer limit, vLLM unreachable, and any other
+error of Envoy's own, each in the OpenAI error schema with a reason; and kvguard's and vLLM's own
+answers byte for byte as they built them.
 
 A small ext_proc stand-in plays kvguard where the test needs it to refuse, hang or pass."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import re
 import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -18,11 +21,16 @@ import grpc
 import openai
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
-from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
+from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest, ProcessingResponse
 
 from kvguard.errors import Code, Refusal
 from kvguard.extproc import responses
-from kvguard.testing.envoy import EnvoyProcess, loopback_config
+from kvguard.testing.envoy import (
+    EnvoyProcess,
+    http_connection_manager,
+    loopback_config,
+    virtual_hosts,
+)
 from kvguard.testing.upstream import RecordingUpstream
 
 pytestmark = pytest.mark.integration
@@ -37,11 +45,20 @@ def refusal_for(code: Code) -> Refusal:
     return Refusal(code, f'refused: {code.value} (é, "quoted")', "model", retry)
 
 
+def longer_body_than_its_length() -> ProcessingResponse:
+    """A body rewritten without its content-length: Envoy refuses to forward it (a 503 of its
+    own that is not vLLM's absence)."""
+    response = ProcessingResponse()
+    response.request_body.response.body_mutation.body = b'{"model": "qwen", "longer": true}'
+    return response
+
+
 class StandIn(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     """Answers by path: /refuse/<code> gets kvguard's refusal, /hang never gets an answer to its
-    body, anything else passes."""
+    body, /bad-length's body grows without its content-length, anything else passes."""
 
     async def Process(self, requests: AsyncIterator[ProcessingRequest], context: Any) -> None:
+        path = ""
         async for message in requests:
             kind = message.WhichOneof("request")
             if kind == "request_headers":
@@ -57,6 +74,8 @@ class StandIn(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 if path == "/hang":
                     await asyncio.Event().wait()  # until Envoy gives up and ends the stream
                 await context.write(responses.request_headers([], guarded=True))
+            elif kind == "request_body" and path == "/bad-length":
+                await context.write(longer_body_than_its_length())
             else:
                 await context.write(responses.continue_response(str(kind)))
 
@@ -87,10 +106,13 @@ def refusing_port() -> Iterator[int]:
         yield sock.getsockname()[1]
 
 
-async def post(url: str, data: bytes) -> tuple[int, dict[str, str], bytes]:
+async def post(
+    url: str, data: bytes, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], bytes]:
+    sent = {"content-type": "application/json", **(headers or {})}
     async with (
         aiohttp.ClientSession() as client,
-        client.post(url, data=data, headers={"content-type": "application/json"}) as response,
+        client.post(url, data=data, headers=sent) as response,
     ):
         headers = {k.lower(): v for k, v in response.headers.items()}
         return response.status, headers, await response.read()
@@ -167,3 +189,129 @@ async def test_kvguards_own_answers_pass_byte_for_byte(
         assert {k: headers.get(k) for k in sent} == sent, code
         assert not {k for k in headers if k.startswith("x-kvguard-")} - sent.keys(), code
     assert upstream.requests == []
+
+
+# vLLM's own error answers (its OpenAI server: a JSONResponse of its ErrorResponse), and a bare
+# 503 as a proxy or an overloaded server may send it.
+VLLM_ERRORS = {
+    "400": b'{"error":{"message":"max_tokens must be at least 1, got 0.",'
+    b'"type":"BadRequestError","param":null,"code":400}}',
+    "404": b'{"error":{"message":"The model `qwen` does not exist.",'
+    b'"type":"NotFoundError","param":null,"code":404}}',
+    "500": b'{"error":{"message":"EngineCore encountered an issue.",'
+    b'"type":"InternalServerError","param":null,"code":500}}',
+    "503": b'{"error":{"message":"The engine is sleeping.",'
+    b'"type":"ServiceUnavailableError","param":null,"code":503}}',
+}
+REASONS = {"400": "Bad Request", "404": "Not Found", "500": "Internal Server Error"}
+
+
+def upstream_answer(path: str) -> bytes | None:
+    """The raw answer of the upstream below to `path`; None: no answer at all."""
+    if path == "/upstream/garbage":
+        return b"NOT HTTP AT ALL\r\n\r\n"
+    name = path.removeprefix("/vllm/")
+    if name == "bare-503":
+        return b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n"
+    if name in VLLM_ERRORS:
+        body = VLLM_ERRORS[name]
+        head = f"HTTP/1.1 {name} {REASONS.get(name, 'Service Unavailable')}\r\n"
+        head += f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+        return head.encode() + body
+    return None
+
+
+async def answer_raw(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """One request per connection, answered with exactly upstream_answer's bytes, or never
+    (reading until the peer closes)."""
+    with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+        head = await reader.readuntil(b"\r\n\r\n")
+        path = head.split(b"\r\n", 1)[0].split(b" ")[1].decode()
+        answer = upstream_answer(path)
+        if answer is None:
+            await reader.read()
+        else:
+            length = re.search(rb"(?im)^content-length: *(\d+)", head)
+            await reader.readexactly(int(length[1]) if length else 0)
+            writer.write(answer)
+            await writer.drain()
+    writer.close()
+
+
+@pytest.fixture
+async def raw_upstream() -> AsyncIterator[int]:
+    server = await asyncio.start_server(answer_raw, "127.0.0.1", 0)
+    yield server.sockets[0].getsockname()[1]
+    server.close()
+    await server.wait_closed()
+
+
+async def headers_only(port: int, path: str) -> tuple[int, dict[str, str], bytes]:
+    """Send a request's headers and never its body; Envoy's answer, read until it closes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\n".encode())
+    await writer.drain()
+    raw = await reader.read()
+    writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode().split("\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+    return int(status_line.split()[1]), headers, body
+
+
+async def test_every_other_error_envoy_answers_itself_is_in_the_openai_schema(
+    tmp_path: Path, stand_in: int, raw_upstream: int
+) -> None:
+    """A last pair of mappers catches every error Envoy answers by itself: server_error for 5xx,
+    invalid_request_error for 4xx, code gateway_error, Envoy's response code details in the
+    message."""
+    config = loopback_config(stand_in, raw_upstream)
+    # 1 s timeouts stand for the shipped ones (the route's idle_timeout is 600 s, the request
+    # timeout unset) so that Envoy gives up within the test.
+    virtual_hosts(config)[0]["routes"][0]["route"]["idle_timeout"] = "1s"
+    http_connection_manager(config)["request_timeout"] = "1s"
+    chat = json.dumps(CHAT).encode()
+    async with EnvoyProcess(config, tmp_path) as envoy:
+        answers = {
+            "stream_idle_timeout": await post(f"{envoy.url}/upstream/silent", chat),
+            "upstream_reset_before_response_started{protocol_error}": await post(
+                f"{envoy.url}/upstream/garbage", chat
+            ),
+            "mismatch_between_content_length_and_the_length_of_the_mutated_body": await post(
+                f"{envoy.url}/bad-length", chat
+            ),
+            "http1.headers_too_large": await post(
+                f"{envoy.url}/v1/chat/completions", chat, {"x-large": "a" * 70 * 1024}
+            ),
+            "request_overall_timeout": await headers_only(
+                envoy.listener_port, "/v1/chat/completions"
+            ),
+        }
+    statuses = {details: answer[0] for details, answer in answers.items()}
+    assert list(statuses.values()) == [504, 502, 503, 431, 408]
+    for details, answer in answers.items():
+        server = answer[0] >= 500
+        error_type = "server_error" if server else "invalid_request_error"
+        assert_envoy_answer(answer, answer[0], "gateway_error", error_type)
+        verb = "failed" if server else "refused"
+        message = json.loads(answer[2])["error"]["message"]
+        assert message == f"the gateway {verb} this request: {details}"
+
+
+async def test_vllms_own_answers_pass_byte_for_byte(
+    tmp_path: Path, stand_in: int, raw_upstream: int
+) -> None:
+    """vLLM's error answers are not Envoy's local replies: no mapper touches them, the 503s
+    and the bare 503 included (status, body and content-type as vLLM sent them)."""
+    direct, through = {}, {}
+    chat = json.dumps(CHAT).encode()
+    async with EnvoyProcess(loopback_config(stand_in, raw_upstream), tmp_path) as envoy:
+        for name in [*VLLM_ERRORS, "bare-503"]:
+            direct[name] = await post(f"http://127.0.0.1:{raw_upstream}/vllm/{name}", chat)
+            through[name] = await post(f"{envoy.url}/vllm/{name}", chat)
+    assert [status for status, _, _ in through.values()] == [400, 404, 500, 503, 503]
+    for name, (status, headers, body) in through.items():
+        assert (status, body) == direct[name][:1] + direct[name][2:], name
+        assert body == VLLM_ERRORS.get(name, b""), name
+        assert headers.get("content-type") == direct[name][1].get("content-type"), name
+        assert "x-kvguard-reason" not in headers and "retry-after" not in headers, name
