@@ -45,8 +45,9 @@ class Admitted:
     prompt_tokens: int
     blocks: int
     would_refuse: Code | None = None
-    # Values for the client's response headers, by dynamic metadata key (envoy.yaml's route
-    # turns `max_tokens` into x-kvguard-max-tokens).
+    # The decision as ext_proc dynamic metadata: envoy.yaml's access log reads it (kvguard's
+    # word, not headers a client could send) and its route turns `max_tokens` into
+    # x-kvguard-max-tokens.
     metadata: dict[str, str] = field(default_factory=dict)
 
 
@@ -131,7 +132,12 @@ class Admission:
                 raise
             decision.outcome = "shadow_refused"
             would_refuse = {"x-kvguard-would-refuse": refusal.code.value}
-            return Admitted(decision.pool, None, None, would_refuse, 0, 0, refusal.code)
+            metadata = {"would_refuse": refusal.code.value}
+            if identity.tenant:
+                metadata["tenant"] = identity.tenant
+            return Admitted(
+                decision.pool, None, None, would_refuse, 0, 0, refusal.code, metadata=metadata
+            )
         decision.outcome, decision.reason = "admitted", ""
         return admitted
 
@@ -198,13 +204,15 @@ class Admission:
         if limits.fields != request.limits:
             body = json.dumps({**request.body, **limits.fields}, ensure_ascii=False).encode()
         lease = await self._reserve(claim, quota)
+        metadata = {"blocks": str(blocks), "prompt_tokens": str(prompt_total)}
         headers = {
-            "x-kvguard-blocks": str(blocks),
-            "x-kvguard-prompt-tokens": str(prompt_total),
+            "x-kvguard-blocks": metadata["blocks"],
+            "x-kvguard-prompt-tokens": metadata["prompt_tokens"],
         }
         if lease is not None:
-            headers["x-kvguard-lease"] = lease.lease_id
-        metadata: dict[str, str] = {}
+            headers["x-kvguard-lease"] = metadata["lease"] = lease.lease_id
+        if identity.tenant:
+            metadata["tenant"] = identity.tenant
         if policy.tenancy.expose_limit_header:
             metadata["max_tokens"] = str(limits.max_tokens)
         return Admitted(pool.name, lease, body, headers, prompt_total, blocks, metadata=metadata)

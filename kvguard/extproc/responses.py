@@ -63,7 +63,8 @@ def admitted_body(
     body: bytes | None, headers: dict[str, str], metadata: Mapping[str, str] | None = None
 ) -> ProcessingResponse:
     """Continue with the rewritten body (when there is one) and the kvguard headers; `metadata`
-    becomes dynamic metadata in METADATA_NAMESPACE (envoy.yaml turns it into response headers)."""
+    becomes dynamic metadata in METADATA_NAMESPACE (envoy.yaml's access log and response
+    headers read it)."""
     response = ProcessingResponse()
     common = response.request_body.response
     if body is None:
@@ -73,10 +74,14 @@ def admitted_body(
         _mutate(common.header_mutation, {**headers, "content-length": str(len(body))})
         common.body_mutation.body = body
     if metadata:
-        fields = response.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields
-        for key, value in metadata.items():
-            fields[key].string_value = value
+        _set_metadata(response, metadata)
     return response
+
+
+def _set_metadata(response: ProcessingResponse, metadata: Mapping[str, str]) -> None:
+    fields = response.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields
+    for key, value in metadata.items():
+        fields[key].string_value = value
 
 
 def extend_message_timeout(seconds: float) -> ProcessingResponse:
@@ -104,8 +109,9 @@ def continue_response(kind: str) -> ProcessingResponse:
             return ProcessingResponse(request_headers=HeadersResponse())
 
 
-def refusal(refused: Refusal) -> ProcessingResponse:
-    """The local reply for a refusal: OpenAI error body, reason header, retry-after on 429."""
+def refusal(refused: Refusal, metadata: Mapping[str, str] | None = None) -> ProcessingResponse:
+    """The local reply for a refusal: OpenAI error body, reason header, retry-after on 429;
+    `metadata` as in admitted_body (Envoy applies it with an immediate response too)."""
     headers = {"content-type": "application/json", "x-kvguard-reason": refused.code.value}
     if refused.retry_after_s is not None:
         headers["retry-after"] = str(refused.retry_after_s)
@@ -117,4 +123,6 @@ def refusal(refused: Refusal) -> ProcessingResponse:
         )
     )
     _mutate(response.immediate_response.headers, headers)
+    if metadata:
+        _set_metadata(response, metadata)
     return response

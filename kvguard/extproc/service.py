@@ -214,4 +214,6 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
             exchange.recorded = True
             exchange.decision.refused(exc.code)
             self._telemetry.record(exchange.decision)
-        return responses.refusal(exc)
+        # The access log's tenant is kvguard's (dynamic metadata), never a header as sent.
+        tenant = exchange.identity.tenant if exchange.identity is not None else ""
+        return responses.refusal(exc, {"tenant": tenant} if tenant else None)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingResponse
 from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -113,13 +114,39 @@ async def test_the_applied_limit_is_dynamic_metadata_when_exposed(
                 stub, headers("/v1/chat/completions"), body({**CHAT, **limit})
             )
             answers.append(on_body)
-        if expose:
-            assert [json_format.MessageToDict(a.dynamic_metadata) for a in answers] == [
-                {"envoy.filters.http.ext_proc": {"max_tokens": "512"}},  # pro's cap
-                {"envoy.filters.http.ext_proc": {"max_tokens": "128"}},  # pro's default
-            ]
-        else:
-            assert not any(a.HasField("dynamic_metadata") for a in answers)
+        shown = [metadata(a).get("max_tokens") for a in answers]
+        assert shown == (["512", "128"] if expose else [None, None])  # pro's cap, its default
+
+
+def metadata(answer: ProcessingResponse) -> dict[str, str]:
+    """The dynamic metadata an answer sets in kvguard's namespace ({} when none)."""
+    found: dict[str, dict[str, str]] = json_format.MessageToDict(answer.dynamic_metadata)
+    assert found.keys() <= {"envoy.filters.http.ext_proc"}
+    return found.get("envoy.filters.http.ext_proc", {})
+
+
+async def test_the_decision_is_dynamic_metadata_for_the_access_log(tmp_path: Path) -> None:
+    """What envoy.yaml's access log shows comes from kvguard's answers, never from headers the
+    client sent: admitted, refused at the body, refused at the headers."""
+    forged = {"x-kvguard-lease": "forged", "x-kvguard-blocks": "1"}
+    async with running(tmp_path, tenants={"acme": "pro"}, default_tier=None) as (_, stub):
+        _, (_, admitted) = await exchange(stub, headers("/v1/chat/completions", forged), body(CHAT))
+        _, (_, refused) = await exchange(
+            stub, headers("/v1/chat/completions", forged), body({**CHAT, "model": "nope"})
+        )
+        _, (unknown,) = await exchange(
+            stub, headers("/v1/chat/completions", forged, tenant="victim")
+        )
+    sent = set_headers(admitted.request_body.response)
+    assert metadata(admitted) == {
+        "tenant": "acme",
+        "lease": sent["x-kvguard-lease"],
+        "blocks": sent["x-kvguard-blocks"],
+        "prompt_tokens": sent["x-kvguard-prompt-tokens"],
+    }
+    assert sent["x-kvguard-lease"] != "forged"
+    assert refusal(refused)[0] == 404 and metadata(refused) == {"tenant": "acme"}
+    assert refusal(unknown)[0] == 401 and metadata(unknown) == {}
 
 
 async def test_unguarded_path_is_not_buffered(tmp_path: Path) -> None:
