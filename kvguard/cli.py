@@ -29,7 +29,7 @@ def _check_config(path: str) -> int:
     if config is None:
         return 1
     from kvguard import policy
-    from kvguard.ledger.status import redact
+    from kvguard.redact import redact
 
     try:
         built = policy.build(config)
@@ -58,7 +58,8 @@ def _check_config(path: str) -> int:
             f"{cap.blocks} blocks of {cap.block_size} tokens, "
             f"admits up to {cap.limit(pool.config.watermark)}"
             if cap
-            else f"discovered from {', '.join(pool.config.capacity.endpoints or [])}"
+            else "discovered from "
+            + ", ".join(redact(url) for url in pool.config.capacity.endpoints or [])
         )
         print(
             f"  pool {pool.name}: models {', '.join(pool.config.models)}; {capacity}; "
@@ -124,7 +125,8 @@ def _ledger_status(path: str) -> int:
     import asyncio
 
     from kvguard.ledger import LedgerUnavailable
-    from kvguard.ledger.status import PoolSpec, read_status, redact, render
+    from kvguard.ledger.status import PoolSpec, read_status, render
+    from kvguard.redact import redact
 
     pools = [PoolSpec(p.name, p.capacity.blocks, p.watermark) for p in config.pools]
     try:

@@ -8,7 +8,8 @@ every endpoint must report the same block size (nothing assumes 16: the CPU back
 Each pool is refreshed every `capacity.refresh_seconds`. An endpoint that cannot be read keeps
 its last good reading for STALE_AFTER_REFRESHES refresh intervals; after that it counts for
 nothing, and a pool with no endpoint left has unknown capacity (its requests get 503
-capacity_unknown; the other pools are untouched). Every change of state is logged once.
+capacity_unknown; the other pools are untouched). Every change of state is logged once, each
+endpoint's URL with its credentials masked.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvguard.capacity import Capacities, PoolCapacity
 from kvguard.policy import Policy
+from kvguard.redact import redact
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +101,7 @@ def combine(readings: Mapping[str, EndpointCache]) -> PoolCapacity:
         raise DiscoveryError("no endpoint has reported its cache")
     sizes = {url: r.block_size for url, r in readings.items()}
     if len(set(sizes.values())) != 1:
-        described = ", ".join(f"{url}: {size}" for url, size in sorted(sizes.items()))
+        described = ", ".join(f"{redact(url)}: {size}" for url, size in sorted(sizes.items()))
         raise DiscoveryError(f"endpoints disagree on block_size ({described})")
     return PoolCapacity(sum(r.usable_blocks for r in readings.values()), next(iter(sizes.values())))
 
@@ -216,7 +218,7 @@ class Discovery:
             endpoint = state.endpoints.setdefault(url, _Endpoint())
             if isinstance(result, EndpointCache):
                 if endpoint.error is not None:
-                    log.info("pool %s: capacity discovery from %s recovered", name, url)
+                    log.info("pool %s: capacity discovery from %s recovered", name, redact(url))
                 endpoint.reading, endpoint.read_at, endpoint.error = result, now, None
             else:
                 if endpoint.error is None:
@@ -229,7 +231,7 @@ class Discovery:
                     log.warning(
                         "pool %s: capacity discovery from %s failed (%s); %s",
                         name,
-                        url,
+                        redact(url),
                         result,
                         kept,
                     )
@@ -252,7 +254,7 @@ class Discovery:
                 log.error(
                     "pool %s: the last reading from %s is older than %gs: it no longer counts",
                     name,
-                    url,
+                    redact(url),
                     max_age,
                 )
                 endpoint.reading = None
@@ -263,7 +265,9 @@ class Discovery:
         try:
             capacity = combine(readings)
         except DiscoveryError as exc:
-            failures = "; ".join(f"{u}: {e.error}" for u, e in state.endpoints.items() if e.error)
+            failures = "; ".join(
+                f"{redact(u)}: {e.error}" for u, e in state.endpoints.items() if e.error
+            )
             error = f"{exc}" + (f" ({failures})" if failures and not readings else "")
         if capacity is not None and capacity != state.capacity:
             log.info(
@@ -308,6 +312,8 @@ async def _fetch(session: aiohttp.ClientSession, url: str, timeout: float) -> En
             if response.status != 200:
                 return f"/metrics answered HTTP {response.status}"
             body = await response.read()
+    except aiohttp.InvalidURL:
+        return "not a URL the HTTP client can use"  # its message is the URL, credentials and all
     except (aiohttp.ClientError, TimeoutError, OSError) as exc:
         return _why(exc)
     try:

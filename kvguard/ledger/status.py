@@ -6,11 +6,11 @@ first), so the figures are what the next admission would see. Amounts are KV-cac
 
 from __future__ import annotations
 
-import urllib.parse
 from dataclasses import dataclass, field
 
 from kvguard.estimate import pool_limit
 from kvguard.ledger.redis_ledger import RedisLedger
+from kvguard.redact import redact
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,18 +51,6 @@ async def read_status(url: str, cluster: bool, pools: list[PoolSpec]) -> list[Po
         return out
     finally:
         await ledger.close()
-
-
-def redact(url: str) -> str:
-    """The URL without its password."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urllib.parse.urlunsplit(parts._replace(netloc=user + host))
 
 
 def render(url: str, cluster: bool, statuses: list[PoolStatus]) -> str:
