@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import json
 import os
 import re
 import types
@@ -30,12 +31,15 @@ from pydantic import (
     model_validator,
 )
 
+from kvguard.redact import redact
+
 PositiveInt = Annotated[int, Field(strict=True, gt=0)]
 
 # gRPC's message limits are twice max_body_bytes and a gRPC channel option is a C int.
 MAX_BODY_BYTES_LIMIT = (2**31 - 1) // 2
 # host:port, the host a name, an IPv4 address or a bracketed IPv6 address.
 _HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[\w.-]*):([0-9]{1,5})", re.ASCII)
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 class ConfigError(Exception):
@@ -47,10 +51,21 @@ class ConfigError(Exception):
         self.problems = list(problems)
 
 
-def _raise_all(problems: list[str]) -> None:
-    """A model check's problems, each "key: message", as one error that `parse` splits."""
+Key = tuple[str | int, ...]  # a path into the configuration, as pydantic locates errors
+
+
+class _Problems(ValueError):
+    """A model check's problems, each at its path below the model (which names the key and
+    finds its line)."""
+
+    def __init__(self, *problems: tuple[Key, str]) -> None:
+        super().__init__("; ".join(message for _, message in problems))
+        self.problems = problems
+
+
+def _raise_all(problems: list[tuple[Key, str]]) -> None:
     if problems:
-        raise ValueError("\n".join(problems))
+        raise _Problems(*problems)
 
 
 class _Strict(BaseModel):
@@ -107,9 +122,11 @@ class ServerSettings(_Strict):
     def _worker_metrics_ports(self) -> ServerSettings:
         port = _listen_port(self.metrics_listen, host_required=False) if self.metrics_listen else 0
         if port and port + self.workers - 1 > 65535:
-            raise ValueError(
-                f"metrics_listen: worker i serves port {port} + i, past 65535 with "
-                f"{self.workers} workers"
+            raise _Problems(
+                (
+                    ("metrics_listen",),
+                    f"worker i serves port {port} + i, past 65535 with {self.workers} workers",
+                )
             )
         return self
 
@@ -123,30 +140,38 @@ class LedgerSettings(_Strict):
 
     @field_validator("url")
     @classmethod
-    def _redis_url(cls, url: str) -> str:
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("redis", "rediss"):
-            return url  # memory://, or a scheme the model check refuses
-        # The messages quote nothing: a password with '/', '?' or '#' spills into the rest.
-        address = parts.netloc.rpartition("@")[2]
-        if ":" in address.rpartition("]")[2]:  # a port, after any [IPv6] host
-            port = address.rpartition(":")[2]
-            if not re.fullmatch(r"[0-9]{1,5}", port) or not 0 < int(port) <= 65535:
-                raise ValueError(
-                    "the port must be a number from 1 to 65535 (in a password, "
-                    "'/', '?' and '#' must be percent-encoded)"
-                )
-        if not re.fullmatch(r"/?([0-9]+)?", parts.path):
-            raise ValueError("the path must be a database number, such as /0")
+    def _ledger_url(cls, url: str) -> str:
+        # The messages quote nothing but a scheme: the rest of a URL may hold a password.
+        scheme = url.split("://", 1)[0] if "://" in url else ""
+        if scheme in ("redis", "rediss"):
+            _check_authority(url)
+            if not re.fullmatch(r"/?([0-9]+)?", urllib.parse.urlsplit(url).path):
+                raise ValueError("the path must be a database number, such as /0")
+        elif scheme != "memory":
+            # A scheme as URLs spell one; anything else may be a password without its '://'.
+            named = re.fullmatch(r"[A-Za-z][\w+.-]*", scheme)
+            shown = f"scheme {scheme!r}" if named else "no scheme"
+            raise ValueError(f"{shown}: it must be memory://, redis:// or rediss://")
         return url
 
-    @model_validator(mode="after")
-    def _known_scheme(self) -> LedgerSettings:
-        scheme = self.url.split("://", 1)[0] if "://" in self.url else ""
-        if scheme not in ("memory", "redis", "rediss"):
-            # The scheme alone: the rest of a URL may hold a password.
-            raise ValueError(f"url scheme {scheme!r}: it must be memory://, redis:// or rediss://")
-        return self
+
+def _check_authority(url: str) -> None:
+    """ValueError, quoting nothing, if `url`'s port is not one or an '@' follows its host: a
+    password with '/', '?' or '#' (not percent-encoded) spills out of the userinfo."""
+    parts = urllib.parse.urlsplit(url)
+    if "@" in url.partition("://")[2][len(parts.netloc) :]:
+        raise ValueError(
+            "an '@' after the host: in a user name or password, '/', '?', '#' and '@' must be "
+            "percent-encoded"
+        )
+    address = parts.netloc.rpartition("@")[2]
+    if ":" in address.rpartition("]")[2]:  # a port, after any [IPv6] host
+        port = address.rpartition(":")[2]
+        if not re.fullmatch(r"[0-9]{1,5}", port) or not 0 < int(port) <= 65535:
+            raise ValueError(
+                "the port must be a number from 1 to 65535 (in a password, "
+                "'/', '?' and '#' must be percent-encoded)"
+            )
 
 
 class Tier(_Strict):
@@ -176,21 +201,27 @@ class Tenancy(_Strict):
 
     @model_validator(mode="after")
     def _tiers_exist(self) -> Tenancy:
-        problems = []
+        problems: list[tuple[Key, str]] = []
         if not self.tiers:
-            problems.append("tiers: at least one tier is required")
+            problems.append((("tiers",), "at least one tier is required"))
         if self.default_tier is not None and self.default_tier not in self.tiers:
-            problems.append(f"default_tier: unknown tier {self.default_tier!r}")
+            problems.append((("default_tier",), f"unknown tier {self.default_tier!r}"))
         for tenant, tier in self.tenants.items():
             if tier not in self.tiers:
-                problems.append(f"tenants.{tenant}: unknown tier {tier!r}")
+                problems.append((("tenants", tenant), f"unknown tier {tier!r}"))
         for key_hash, tier_tenant in self.api_keys.items():
-            if not re.fullmatch(r"[0-9a-f]{64}", key_hash):
-                problems.append(f"api_keys.{key_hash}: must be a lowercase sha256 hex digest")
+            if not _SHA256_HEX.fullmatch(key_hash):
+                problems.append(
+                    (
+                        ("api_keys", key_hash),
+                        "not a sha256 digest: list the lowercase hex sha256 of each API key, "
+                        "never the key itself",
+                    )
+                )
             elif not tier_tenant:
-                problems.append(f"api_keys.{key_hash}: tenant must not be empty")
+                problems.append((("api_keys", key_hash), "tenant must not be empty"))
         if self.header != self.header.lower() or not self.header:
-            problems.append("header: must be a non-empty lowercase header name")
+            problems.append((("header",), "must be a non-empty lowercase header name"))
         _raise_all(problems)
         return self
 
@@ -216,10 +247,21 @@ class Capacity(_Strict):
         if not self.endpoints and (self.blocks is None or self.block_size is None):
             raise ValueError("blocks and block_size are both required without endpoints")
         if not self.endpoints and "refresh_seconds" in self.model_fields_set:
-            raise ValueError("refresh_seconds: applies only to discovered capacity (endpoints)")
+            raise _Problems(
+                (("refresh_seconds",), "applies only to discovered capacity (endpoints)")
+            )
+        problems: list[tuple[Key, str]] = []
         for i, url in enumerate(self.endpoints or []):
             if not re.fullmatch(r"https?://[^/\s]+(/\S*)?", url):
-                raise ValueError(f"endpoints[{i}]: {url!r} is not an http:// or https:// URL")
+                problems.append(
+                    (("endpoints", i), f"{redact(url)!r} is not an http:// or https:// URL")
+                )
+                continue
+            try:
+                _check_authority(url)
+            except ValueError as exc:
+                problems.append((("endpoints", i), f"{redact(url)!r}: {exc}"))
+        _raise_all(problems)
         return self
 
 
@@ -247,12 +289,16 @@ class Pool(_Strict):
 
     @model_validator(mode="after")
     def _known_media_parts(self) -> Pool:
-        for kind in self.media_tokens:
-            if kind not in MEDIA_PART_TYPES:
-                raise ValueError(
-                    f"media_tokens.{kind}: not a media content part type; "
-                    f"use one of {', '.join(MEDIA_PART_TYPES)}"
+        _raise_all(
+            [
+                (
+                    ("media_tokens", kind),
+                    f"not a media content part type; use one of {', '.join(MEDIA_PART_TYPES)}",
                 )
+                for kind in self.media_tokens
+                if kind not in MEDIA_PART_TYPES
+            ]
+        )
         return self
 
 
@@ -266,9 +312,12 @@ class Config(_Strict):
     @model_validator(mode="after")
     def _workers_share_a_ledger(self) -> Config:
         if self.server.workers > 1 and self.ledger.url.startswith("memory://"):
-            raise ValueError(
-                "server.workers: several worker processes need a shared ledger (redis://); "
-                "memory:// lives in one process"
+            raise _Problems(
+                (
+                    ("server", "workers"),
+                    "several worker processes need a shared ledger (redis://); memory:// lives "
+                    "in one process",
+                )
             )
         return self
 
@@ -278,27 +327,32 @@ class Config(_Strict):
         # workers would let the workers together admit more than the pool.
         ledger, workers = self.ledger, self.server.workers
         if ledger.on_unavailable == "local" and ledger.replicas < workers:
-            raise ValueError(
-                f"ledger.replicas: {ledger.replicas} is below server.workers ({workers}); "
-                "on_unavailable: local admits capacity/replicas in each process, so count every "
-                "process: replicas = pods x workers"
+            raise _Problems(
+                (
+                    ("ledger", "replicas"),
+                    f"{ledger.replicas} is below server.workers ({workers}); on_unavailable: "
+                    "local admits capacity/replicas in each process, so count every process: "
+                    "replicas = pods x workers",
+                )
             )
         return self
 
     @model_validator(mode="after")
     def _unique_names(self) -> Config:
-        problems = []
+        problems: list[tuple[Key, str]] = []
         seen_pools: set[str] = set()
         seen_models: dict[str, str] = {}
         for i, pool in enumerate(self.pools):
             if pool.name in seen_pools:
-                problems.append(f"pools[{i}].name: duplicate pool name {pool.name!r}")
+                problems.append((("pools", i, "name"), f"duplicate pool name {pool.name!r}"))
             seen_pools.add(pool.name)
             for model in pool.models:
                 if model in seen_models:
                     problems.append(
-                        f"pools[{i}].models: {model!r} is already served by pool "
-                        f"{seen_models[model]!r}"
+                        (
+                            ("pools", i, "models"),
+                            f"{model!r} is already served by pool {seen_models[model]!r}",
+                        )
                     )
                 else:
                     seen_models[model] = pool.name
@@ -306,7 +360,6 @@ class Config(_Strict):
         return self
 
 
-Key = tuple[str | int, ...]  # a path into the configuration, as pydantic locates errors
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
@@ -320,17 +373,24 @@ def _key_path(loc: tuple[Any, ...]) -> Key:
     )
 
 
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
+_API_KEYS: Key = ("tenancy", "api_keys")
+
+
 def _dotted(path: Key) -> str:
+    """`pools[0].capacity`, `tenancy.tenants["acme corp"]`; an `api_keys` entry that is not a
+    digest may be a pasted key, so it shows at most its first 4 characters: `api_keys[sk-l…]`."""
     out = ""
-    for part in path:
-        out += f"[{part}]" if isinstance(part, int) else ("." if out else "") + part
+    for i, part in enumerate(path):
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif path[:i] == _API_KEYS and not _SHA256_HEX.fullmatch(part):
+            out += f"[{part[:4] if len(part) >= 16 else ''}…]"
+        elif _NAME.fullmatch(part):
+            out += ("." if out else "") + part
+        else:
+            out += f"[{json.dumps(part, ensure_ascii=False)}]"
     return out
-
-
-def _parse_dotted(key: str) -> Key:
-    return tuple(
-        int(index) if index else name for index, name in re.findall(r"\[(\d+)\]|([^.\[\]]+)", key)
-    )
 
 
 def _key_lines(root: yaml.Node) -> dict[Key, int]:
@@ -391,18 +451,20 @@ def _problems(
 ) -> list[str]:
     """One line per problem of a pydantic error: `source: key: message (line N)`."""
     base = _key_path(tuple(error["loc"]))
-    message = str(error["msg"]).removeprefix("Value error, ")
-    if error["type"] == "extra_forbidden" and base and isinstance(base[-1], str):
-        close = difflib.get_close_matches(base[-1], _accepted_keys(base[:-1]), n=1)
-        if close:
-            message += f"; did you mean {close[0]!r}?"
+    cause = error.get("ctx", {}).get("error")
+    if isinstance(cause, _Problems):  # a model check's, at paths below the model
+        found = [((*base, *path), message) for path, message in cause.problems]
+    else:
+        message = str(error["msg"]).removeprefix("Value error, ")
+        if base and base[-1] == "[key]":  # a mapping key YAML read as a number, date, ...
+            base, message = (*base[:-2], str(base[-2])), "a key must be text (quote it)"
+        if error["type"] == "extra_forbidden" and base and isinstance(base[-1], str):
+            close = difflib.get_close_matches(base[-1], _accepted_keys(base[:-1]), n=1)
+            if close:
+                message += f"; did you mean {close[0]!r}?"
+        found = [(base, message)]
     out = []
-    for text in message.split("\n"):
-        path = base
-        # A model-level check names its own key first ("tenants.acme: ..."): join the two.
-        nested = re.match(r"([\w.\[\]-]+): (.*)", text, re.DOTALL)
-        if nested:
-            path, text = (*base, *_parse_dotted(nested.group(1))), nested.group(2)
+    for path, text in found:
         location = _dotted(path) or "(top level)"
         if location in overridden:
             text += f" (set by {overridden[location]})"
@@ -413,12 +475,22 @@ def _problems(
 
 
 class _DuplicateKey(yaml.YAMLError):
-    def __init__(self, key: Any, line: int) -> None:
-        super().__init__(f"line {line}: duplicate key {key!r}")
+    def __init__(self, key: Any, node: yaml.Node) -> None:
+        super().__init__("duplicate key")  # the key may be a pasted API key: parse words it
+        self.key, self.node = key, node
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """The safe loader, refusing a key given twice in one mapping (YAML would keep the last)."""
+    """The safe loader, refusing a key given twice in one mapping (YAML would keep the last),
+    and a date that does not exist with its line (the safe loader raises a bare ValueError)."""
+
+    def construct_yaml_timestamp(self, node: yaml.ScalarNode) -> Any:
+        try:
+            return super().construct_yaml_timestamp(node)
+        except ValueError as exc:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"not a date: {exc}", node.start_mark
+            ) from None
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
@@ -431,9 +503,14 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             except TypeError:
                 continue  # unhashable: the safe loader itself refuses it
             if duplicate:
-                raise _DuplicateKey(key, key_node.start_mark.line + 1)
+                raise _DuplicateKey(key, key_node)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(
+    "tag:yaml.org,2002:timestamp", _UniqueKeyLoader.construct_yaml_timestamp
+)
 
 
 def _is_text(annotation: Any) -> bool:
@@ -466,29 +543,77 @@ def _env_overrides(raw: dict[str, Any], environ: dict[str, str]) -> dict[str, st
     return applied
 
 
-def _read_yaml(text: str) -> tuple[Any, dict[Key, int]]:
-    """The document and the line of each of its keys; raises yaml.YAMLError, RecursionError."""
-    loader = _UniqueKeyLoader(text)  # a SafeLoader
+def _read_yaml(text: str, source: str) -> tuple[Any, dict[Key, int]]:
+    """The document and the line of each of its keys; ConfigError if it is not valid YAML.
+    The messages quote no text of the file: the line at fault may hold a password."""
     try:
-        node = loader.get_single_node()
-        if node is None:
+        loader = _UniqueKeyLoader(text)  # a SafeLoader; it checks the characters first
+    except yaml.reader.ReaderError as exc:
+        line = text.count("\n", 0, exc.position) + 1
+        raise ConfigError(
+            f"{source}: not valid YAML: character #x{exc.character:04x} is not allowed "
+            f"(line {line})"
+        ) from None
+    root = None
+    try:
+        root = loader.get_single_node()
+        if root is None:
             return None, {}
-        return loader.construct_document(node), _key_lines(node)
+        return loader.construct_document(root), _key_lines(root)
+    except _DuplicateKey as exc:
+        line = exc.node.start_mark.line + 1
+        path = _path_to(root, exc.node) if root is not None else None
+        key = _dotted(path) if path and path[:-1] == _API_KEYS else repr(exc.key)
+        raise ConfigError(f"{source}: line {line}: duplicate key {key}") from None
+    except yaml.MarkedYAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {_yaml_problem(exc)}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML ({type(exc).__name__})") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: not valid YAML: nested too deeply") from None
     finally:
         loader.dispose()
+
+
+def _yaml_problem(exc: yaml.MarkedYAMLError) -> str:
+    """What a YAML error says, on one line: "while scanning a quoted scalar (line 2, column
+    8): found unexpected end of stream (line 3, column 1)"."""
+
+    def at(mark: Any) -> str:
+        return f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+
+    parts = []
+    if exc.context:
+        same = exc.context_mark is exc.problem_mark
+        parts.append(exc.context + ("" if same else at(exc.context_mark)))
+    parts.append((exc.problem or "cannot be read") + at(exc.problem_mark))
+    return ": ".join(parts)
+
+
+def _path_to(root: yaml.Node, target: yaml.Node) -> Key | None:
+    """The path of the key or item `target` in the composed document `root`."""
+    stack: list[tuple[Key, yaml.Node]] = [((), root)]
+    seen: set[int] = set()
+    while stack:
+        path, node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                part = key.value if isinstance(key, yaml.ScalarNode) else ""
+                if key is target:
+                    return (*path, part)
+                stack.append(((*path, part), value))
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend(((*path, i), item) for i, item in enumerate(node.value))
+    return None
 
 
 def parse(text: str, source: str, environ: dict[str, str] | None = None) -> Config:
     """Parse and validate configuration text; `source` names it in errors. Raises ConfigError
     with every problem pydantic finds."""
-    try:
-        raw, lines = _read_yaml(text)
-    except _DuplicateKey as exc:
-        raise ConfigError(f"{source}: {exc}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
-    except RecursionError:
-        raise ConfigError(f"{source}: not valid YAML: nested too deeply") from None
+    raw, lines = _read_yaml(text, source)
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):

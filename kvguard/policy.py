@@ -123,12 +123,26 @@ def _identity(path: Path) -> FileIdentity:
 def warnings(config: Config) -> list[str]:
     """Settings that validate but can never admit what they seem to: "key: why" lines.
 
-    Only pools with static capacity are judged (a discovered capacity is not known here): a
-    tier whose request without a limit (one prompt token + the injected default) needs more
-    blocks than the tier's quota or the pool's limit allows, so every such request is refused;
-    and a tier quota at or above every pool's limit, which then never binds.
+    A tenancy with no default tier that maps no tenant refuses every request with 401. Only
+    pools with static capacity are judged (a discovered capacity is not known here): a tier
+    whose request without a limit (one prompt token + the injected default) needs more blocks
+    than the tier's quota or the pool's limit allows, so every such request is refused; and a
+    tier quota at or above every pool's limit, which then never binds.
     """
     out = []
+    tenancy = config.tenancy
+    if tenancy.default_tier is None:
+        if not tenancy.tenants:
+            out.append(
+                "tenancy: no default_tier and no tenants: every request gets 401 unknown_tenant"
+            )
+        elif tenancy.identity == "api_key" and not set(tenancy.api_keys.values()) & set(
+            tenancy.tenants
+        ):
+            out.append(
+                "tenancy: no default_tier and no API key of api_keys names a tenant of tenants: "
+                "every request gets 401 unknown_tenant"
+            )
     static = [p for p in config.pools if p.capacity.blocks and p.capacity.block_size]
     limits = {p.name: pool_limit(p.capacity.blocks or 0, p.watermark) for p in static}
     for name, tier in config.tenancy.tiers.items():
