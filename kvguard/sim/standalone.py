@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import re
 import signal
 import sys
@@ -78,9 +79,15 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                           ("max_num_batched_tokens", 1)):  # fmt: skip
         if getattr(args, option) < least:
             raise ValueError(f"--{option.replace('_', '-')} must be at least {least}")
+    held = (args.blocks - 1) * args.block_size  # one full-length sequence must fit, as in vLLM
     max_model_len = args.max_model_len
     if max_model_len is None:
-        max_model_len = min(DEFAULT_MAX_MODEL_LEN, (args.blocks - 1) * args.block_size)
+        max_model_len = min(DEFAULT_MAX_MODEL_LEN, held)
+    elif not 2 <= max_model_len <= held:
+        raise ValueError(
+            f"--max-model-len must be from 2 to {held}, what {args.blocks} blocks of "
+            f"{args.block_size} tokens hold (one of them vLLM's null block)"
+        )
     return EngineConfig(
         num_gpu_blocks=args.blocks,
         block_size=args.block_size,
@@ -90,12 +97,18 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+def options(args: argparse.Namespace) -> tuple[str, int, EngineConfig]:
+    """The host, port and engine the options describe; ValueError names the option that is
+    wrong."""
+    host, port = _listen(args.listen)
+    if not (args.speed > 0 and math.isfinite(args.speed)):
+        raise ValueError("--speed must be a number above 0")
+    return host, port, engine_config(args)
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     try:
-        host, port = _listen(args.listen)
-        config = engine_config(args)
-        if not args.speed > 0:
-            raise ValueError("--speed must be above 0")
+        host, port, config = options(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
