@@ -30,6 +30,7 @@ from kvguard.ledger import Lease
 from kvguard.policy import Identity, Policy, identify_request
 from kvguard.request import Kind, guarded_kind
 from kvguard.telemetry import Telemetry
+from kvguard.throttled_log import ThrottledWarnings
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
         self._keeper = keeper
         self._telemetry = telemetry
         self._open_streams = 0
+        self._own_errors = ThrottledWarnings(log)  # under overload, one a place per 10 s
 
     @property
     def open_streams(self) -> int:
@@ -204,11 +206,11 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
             log.exception("internal error deciding request %s", exchange.decision.request_id)
             exc = Refusal(Code.INTERNAL_ERROR, "kvguard failed to decide this request")
         elif exc.code is Code.INTERNAL_ERROR:  # kvguard's own 503 (busy counting): where from
-            log.warning(
+            self._own_errors.warning(
+                exc,
                 "internal_error answered to request %s: %s",
                 exchange.decision.request_id,
                 exc.message,
-                exc_info=exc,
             )
         if not exchange.recorded:  # refused before the body: count and log it here
             exchange.recorded = True

@@ -1,14 +1,17 @@
 """Every 503 internal_error kvguard answers leaves its traceback in the log: a fault, and the
-refusal of a large prompt while too much counting is queued."""
+refusal of a large prompt while too much counting is queued (that one at most once per
+kvguard.throttled_log.EVERY_S: under overload it comes for many requests a second)."""
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from kvguard import throttled_log
 from kvguard.server import Service
 from tests.protocol.harness import body, exchange, headers, refusal, running
 
@@ -48,3 +51,21 @@ async def test_an_internal_error_answer_logs_its_traceback(
         (record,) = [r for r in caplog.records if r.exc_info]
         assert "r-1" in record.getMessage()
         assert expected in caplog.text  # the traceback, not only a line
+
+
+async def test_busy_refusals_log_their_traceback_once_not_for_each(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(throttled_log, "EVERY_S", math.inf)  # the next one never comes
+    caplog.set_level(logging.WARNING, logger="kvguard.extproc.service")
+    async with running(tmp_path) as (service, stub):
+        _counting_backlog(service, monkeypatch)
+        for request in range(3):
+            _, (_, answer) = await exchange(
+                stub,
+                headers("/v1/chat/completions", {"x-request-id": f"r-{request}"}),
+                body(LARGE),
+            )
+            assert refusal(answer)[2]["error"]["code"] == "internal_error"
+        (record,) = [r for r in caplog.records if r.exc_info]
+        assert "r-0" in record.getMessage()
