@@ -9,7 +9,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
 from kvguard.errors import Code, Refusal, invalid
-from kvguard.prefix_bound import look_chars
 from kvguard.request import InferenceRequest, add_special_tokens, prompts_of
 from kvguard.tokenizer import PoolTokenizer, TokenizerError
 
@@ -17,11 +16,16 @@ from kvguard.tokenizer import PoolTokenizer, TokenizerError
 # Counting new text costs ~0.15-0.2 µs per body byte: bodies up to 4 KiB stall the event loop
 # at most ~0.8 ms; for them a thread hop (~20 µs) saves little and may queue behind longer counts.
 # Larger ones go to threads (tokenizing releases the GIL, so they run in parallel).
-# Bodies above LONG_BODY_BYTES (~15k tokens, ~25 ms and up) may take all threads but one, so
-# that shorter counts never wait behind a 32k-token prompt (measured: 1k-token decisions
-# during a 32k flood went from p50 ~90 ms, queued behind them, to ~5 ms).
+# Counts that weigh more than LONG_WORK_BYTES (`work_bytes`: ~15k tokens of new text, ~25 ms
+# and up) may take all threads but one, so that shorter counts never wait behind a 32k-token
+# prompt (measured: 1k-token decisions during a 32k flood went from p50 ~90 ms, queued behind
+# them, to ~5 ms).
 INLINE_BODY_BYTES = 4 * 1024
-LONG_BODY_BYTES = 64 * 1024
+LONG_WORK_BYTES = 64 * 1024
+# What rendering a chat template costs per message, in body bytes of counting: ~16 µs a
+# message measured (60,000 short messages in 0.95 s), ~40 bytes at the speed below; the
+# template's own text around each message (~30-50 characters) is counted too.
+MESSAGE_WORK_BYTES = 64
 # Counting work queued or running, in expected seconds at the measured speed: past this a
 # request is refused rather than left to wait near the 5 s an extended Envoy message timeout
 # allows. The speed starts at what was measured here (~2.5 MB of chat body per second per
@@ -106,12 +110,11 @@ class PromptCounter:
     """Counts small requests inline and the rest on `workers + 1` threads, of which long
     counts may take `workers`.
 
-    The bound is on work, not only on threads: the body bytes queued or running must take
-    at most MAX_BACKLOG_S to count at the measured speed (or stay under `pending_bytes`, when
-    given). Past it a request is refused at once (503, retry-after) instead of waiting past
-    Envoy's message timeout. A body counts as much of it as counting reads: a prompt stops
-    being counted once it reaches max_model_len (`work_bytes`). Work stays counted until its
-    thread finishes, even when the stream that asked for it is gone.
+    The bound is on work, not only on threads: the work queued or running (`work_bytes` of
+    each body: what its count reads at most) must take at most MAX_BACKLOG_S to count at the
+    measured speed (or stay under `pending_bytes`, when given). Past it a request is refused
+    at once (503, retry-after) instead of waiting past Envoy's message timeout. Work stays
+    counted until its thread finishes, even when the stream that asked for it is gone.
     """
 
     def __init__(self, workers: int = 2, pending_bytes: int | None = None) -> None:
@@ -124,18 +127,18 @@ class PromptCounter:
 
     @property
     def pending_bytes(self) -> int:
-        """Body bytes (`work_bytes` of each) queued or being counted off the event loop."""
+        """Work (`work_bytes` of each body) queued or being counted off the event loop."""
         return self._pending
 
     @property
     def bytes_per_s(self) -> float:
-        """The measured counting speed of one thread, in body bytes per second."""
+        """The measured counting speed of one thread, in `work_bytes` per second."""
         return self._bytes_per_s
 
-    def _too_busy(self, body_bytes: int) -> bool:
+    def _too_busy(self, work: int) -> bool:
         if not self._pending:  # one request larger than the bound is still served, alone
             return False
-        backlog = self._pending + body_bytes
+        backlog = self._pending + work
         if self._max_pending is not None:
             return backlog > self._max_pending
         return backlog / (self._workers * self._bytes_per_s) > MAX_BACKLOG_S
@@ -159,7 +162,9 @@ class PromptCounter:
         )
         if body_bytes <= INLINE_BODY_BYTES:
             return work()
-        read = work_bytes(body_bytes, max_model_len)
+        read = work_bytes(tokenizer, request, body_bytes, max_model_len)
+        if not read:  # token ids only: nothing to tokenize
+            return work()
         if self._too_busy(read):
             raise Refusal(
                 Code.INTERNAL_ERROR,
@@ -167,7 +172,7 @@ class PromptCounter:
                 retry_after_s=RETRY_AFTER_S,
             )
         self._pending += read
-        long = read > LONG_BODY_BYTES
+        long = read > LONG_WORK_BYTES
         if long:
             try:
                 await self._long.acquire()
@@ -205,12 +210,26 @@ class PromptCounter:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def work_bytes(body_bytes: int, max_model_len: int | None) -> int:
-    """The bytes of a body that counting reads at most, about: a prompt that passes
-    max_model_len is read only until it is known to (kvguard.prefix_bound)."""
-    if max_model_len is None:
-        return body_bytes
-    return min(body_bytes, 2 * look_chars(max_model_len))
+def work_bytes(
+    tokenizer: PoolTokenizer, request: InferenceRequest, body_bytes: int, max_model_len: int | None
+) -> int:
+    """About the most that counting this body reads, in body bytes: its prompts, each read
+    only until it is known to reach max_model_len (`PoolTokenizer.reads_at_most`), and a chat
+    template's work for each message. Top-level strings other than a prompt are never read
+    (`user`, `model`, …): a small chat padded in one weighs what the chat does."""
+    body = request.body
+    text = body_bytes - sum(len(v) for k, v in body.items() if k != "prompt" and isinstance(v, str))
+    stop_at = _enough(request, max_model_len)
+    if request.kind == "chat":
+        messages = body.get("messages")
+        rendering = MESSAGE_WORK_BYTES * (len(messages) if isinstance(messages, list) else 0)
+        return rendering + tokenizer.reads_at_most(text + rendering, stop_at)
+    return sum(
+        # At most 4 UTF-8 bytes a character, and at most the body's own bytes.
+        tokenizer.reads_at_most(len(p) if p.isascii() else min(text, 4 * len(p)), stop_at)
+        for p in prompts_of(request)
+        if isinstance(p, str)
+    )
 
 
 def _timed(work: Callable[..., list[int]]) -> tuple[list[int], float]:

@@ -24,7 +24,7 @@ from typing import Any, cast
 
 from tokenizers import Tokenizer
 
-from kvguard.prefix_bound import count_at_least, look_chars, margin_chars, worth_bounding
+from kvguard.prefix_bound import PrefixBound, look_chars, worth_bounding
 from kvguard.pretokens import PreTokenCounter, component_state
 
 # Normalizers and pre-tokenizers that act on each segment alone, whatever precedes it. Every
@@ -84,7 +84,7 @@ class SegmentCounter:
         )
         # Segments of common text are counted by pre-tokens where the tokenizer allows it.
         self._pre_tokens = PreTokenCounter.for_tokenizer(tokenizer)
-        self._margin = margin_chars(tokenizer)
+        self.bound = PrefixBound(tokenizer, whole_texts=False)  # for segments, not whole texts
         self._counts: OrderedDict[str, int] = OrderedDict()
         self._cached_chars = 0
         self._max_cached_chars = max_cached_chars
@@ -140,9 +140,14 @@ class SegmentCounter:
     def _count_until(self, missing: list[str], total: int, stop_at: int) -> int:
         """`total` plus the tokens of the `missing` segments, counted in text order, a batch of
         about look_chars(stop_at) characters at a time, until the sum reaches `stop_at`.
-        A segment longer than that is bounded from its prefixes (kvguard.prefix_bound)."""
+        A segment longer than that is bounded by its length or its prefixes
+        (kvguard.prefix_bound)."""
         look = look_chars(stop_at)
         repeats = Counter(missing)
+        # Their lengths alone may tell (kvguard.prefix_bound): then none is tokenized.
+        floor = total + sum(self.bound.floor(s) * n for s, n in repeats.items())
+        if floor >= stop_at:
+            return floor
         batch: list[str] = []
         batch_chars = 0
         for segment in repeats:  # in the order of first appearance
@@ -156,7 +161,7 @@ class SegmentCounter:
                     batch, batch_chars = [], 0
                 continue
             need = math.ceil((stop_at - total) / repeats[segment])
-            tokens, exact = count_at_least(self._tokenizer, segment, need, False, self._margin)
+            tokens, exact = self.bound.count_at_least(segment, need, False)
             if exact:
                 self._remember({segment: tokens})
             total += tokens * repeats[segment]

@@ -23,7 +23,7 @@ from tokenizers import AddedToken, Tokenizer
 from kvguard.chat_arguments import template_arguments
 from kvguard.chat_messages import TokenizerError, normalise_messages, normalise_tools
 from kvguard.chat_template import ChatTemplate, ChatTemplateError
-from kvguard.prefix_bound import count_at_least, margin_chars, worth_bounding
+from kvguard.prefix_bound import PrefixBound, worth_bounding
 from kvguard.segments import SegmentCounter
 
 __all__ = ["ChatPrompt", "PoolTokenizer", "TokenizerError"]
@@ -62,7 +62,11 @@ class PoolTokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._segments = SegmentCounter.for_tokenizer(tokenizer)
-        self._margin = margin_chars(tokenizer)
+        self._bound = (
+            self._segments.bound
+            if self._segments is not None
+            else PrefixBound(tokenizer, whole_texts=True)
+        )
         self._templates = dict(templates)  # "default", and "tool_use" etc. for named templates
         self._special_tokens = dict(special_tokens)
 
@@ -150,7 +154,7 @@ class PoolTokenizer:
         if self._segments is not None:
             return [self._segments.count(t, add_special_tokens, stop_at) for t in texts]
         bounded = {
-            i: count_at_least(self._tokenizer, text, stop_at, add_special_tokens, self._margin)[0]
+            i: self._bound.count_at_least(text, stop_at, add_special_tokens)[0]
             for i, text in enumerate(texts)
             if stop_at is not None and worth_bounding(len(text), stop_at)
         }
@@ -159,6 +163,11 @@ class PoolTokenizer:
         encode = self._tokenizer.encode_batch_fast
         encoded = iter(encode(whole, add_special_tokens=add_special_tokens) if whole else [])
         return [bounded[i] if i in bounded else len(next(encoded)) for i in range(len(texts))]
+
+    def reads_at_most(self, chars: int, stop_at: int | None) -> int:
+        """About the most characters `count` tokenizes for a text of `chars` characters (or
+        bytes) with `stop_at` (kvguard.prefix_bound)."""
+        return self._bound.reads_at_most(chars, stop_at)
 
     def _template_for(self, tools: list[Any] | None) -> ChatTemplate:
         # transformers' get_chat_template: named templates prefer "tool_use" when tools are sent.

@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from kvguard.counting import LONG_BODY_BYTES, PromptCounter
+from kvguard.counting import LONG_WORK_BYTES, PromptCounter, work_bytes
 from kvguard.extproc.service import EXTENDED_MESSAGE_TIMEOUT_S
+from kvguard.request import parse
 from kvguard.server import Service
 from kvguard.tokenizer import PoolTokenizer
 from tests.protocol.harness import (
@@ -194,10 +195,12 @@ async def _idle(counter: PromptCounter) -> bool:
 async def test_a_flood_of_large_prompts_is_bounded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    payload = big_chat(16_000)  # a long count (above LONG_BODY_BYTES): two at a time
-    size = len(json.dumps(payload).encode())
-    assert size > LONG_BODY_BYTES
+    payload = big_chat(16_000)  # a long count (above LONG_WORK_BYTES): two at a time
+    raw = json.dumps(payload).encode()
     async with serving_big(tmp_path) as (service, stub):
+        tokenizer = service.policy.pools["qwen"].tokenizer
+        size = work_bytes(tokenizer, parse("chat", raw), len(raw), 40_000)
+        assert size > LONG_WORK_BYTES
         service.admission.counter.close()
         service.admission.counter = PromptCounter(workers=2, pending_bytes=3 * size)
         spy = watch(service, monkeypatch, gated=True)

@@ -27,9 +27,10 @@ from kvguard import policy as policies
 from kvguard.counting import (
     INITIAL_BYTES_PER_S,
     INLINE_BODY_BYTES,
-    LONG_BODY_BYTES,
+    LONG_WORK_BYTES,
     PromptCounter,
     count_prompts,
+    work_bytes,
 )
 from kvguard.errors import Code, Refusal
 from kvguard.request import parse
@@ -550,6 +551,10 @@ def _completion(words: int) -> tuple[Any, int]:
     return parse("completion", raw), len(raw)
 
 
+def _work(tokenizer: PoolTokenizer, request: Any, body_bytes: int) -> int:
+    return work_bytes(tokenizer, request, body_bytes, None)
+
+
 async def _started(gate: _Gated, count: int = 1) -> None:
     for _ in range(count):
         assert await asyncio.to_thread(gate.started.acquire, True, 10), "count never started"
@@ -564,10 +569,12 @@ async def test_where_each_size_is_counted(qwen: PoolTokenizer) -> None:
         assert await counter.count(gate, small, small_bytes) == [10]
         assert (gate.inline, gate.most_running) == (1, 0)  # counted on the event loop
         medium, medium_bytes = _completion(5000)
-        assert INLINE_BODY_BYTES < medium_bytes <= LONG_BODY_BYTES
+        medium_work = _work(qwen, medium, medium_bytes)
+        assert medium_bytes > INLINE_BODY_BYTES
+        assert medium_work <= LONG_WORK_BYTES
         task = asyncio.create_task(counter.count(gate, medium, medium_bytes))
         await _started(gate)  # on a thread
-        assert counter.pending_bytes == medium_bytes
+        assert counter.pending_bytes == medium_work
         gate.release.set()
         assert await task == [5000]
         assert counter.pending_bytes == 0
@@ -579,7 +586,7 @@ async def test_where_each_size_is_counted(qwen: PoolTokenizer) -> None:
 async def test_short_counts_never_wait_behind_long_ones(qwen: PoolTokenizer) -> None:
     long, long_bytes = _completion(12_000)
     medium, medium_bytes = _completion(5000)
-    assert long_bytes > LONG_BODY_BYTES
+    assert _work(qwen, long, long_bytes) > LONG_WORK_BYTES
     counter = PromptCounter(workers=2)
     gate: Any = _Gated(qwen, gate_chars=medium_bytes)  # holds the long counts only
     try:
@@ -599,18 +606,19 @@ async def test_short_counts_never_wait_behind_long_ones(qwen: PoolTokenizer) -> 
 
 async def test_queued_work_is_bounded(qwen: PoolTokenizer) -> None:
     long, long_bytes = _completion(12_000)
-    counter = PromptCounter(workers=2, pending_bytes=4 * long_bytes)
+    work = _work(qwen, long, long_bytes)
+    counter = PromptCounter(workers=2, pending_bytes=4 * work)
     gate: Any = _Gated(qwen)
     try:
         tasks = [asyncio.create_task(counter.count(gate, long, long_bytes)) for _ in range(4)]
         await _started(gate, 2)  # two counting, two waiting
-        assert counter.pending_bytes == 4 * long_bytes
+        assert counter.pending_bytes == 4 * work
         with pytest.raises(Refusal, match="busy counting") as info:
             await counter.count(gate, long, long_bytes)
         assert (info.value.code, info.value.retry_after_s) == (Code.INTERNAL_ERROR, 1)
         tasks[3].cancel()  # a stream that goes away gives its waiting work back at once
         await asyncio.gather(tasks[3], return_exceptions=True)
-        assert counter.pending_bytes == 3 * long_bytes
+        assert counter.pending_bytes == 3 * work
         gate.release.set()
         assert await asyncio.gather(*tasks[:3]) == [[12_000]] * 3
         assert gate.most_running == 2
@@ -638,8 +646,9 @@ async def test_the_backlog_bound_follows_the_measured_speed(
     qwen: PoolTokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     long, long_bytes = _completion(12_000)
+    work = _work(qwen, long, long_bytes)
     # Two long bodies fit in the backlog at the initial speed, not at 84 % of it.
-    monkeypatch.setattr(counting, "MAX_BACKLOG_S", 2 * long_bytes / (0.9 * INITIAL_BYTES_PER_S))
+    monkeypatch.setattr(counting, "MAX_BACKLOG_S", 2 * work / (0.9 * INITIAL_BYTES_PER_S))
     for slow_first in (False, True):
         counter = PromptCounter(workers=1)
         gate: Any = _Gated(qwen)
@@ -656,7 +665,7 @@ async def test_the_backlog_bound_follows_the_measured_speed(
                     await second
             else:
                 waiting = asyncio.create_task(second)
-                await wait_for_pending(counter, 2 * long_bytes)
+                await wait_for_pending(counter, 2 * work)
                 gate.release.set()
                 assert await waiting == [12_000]
             gate.release.set()
@@ -679,4 +688,22 @@ async def test_one_body_above_the_bound_is_still_counted(qwen: PoolTokenizer) ->
     try:
         assert await counter.count(qwen, long, long_bytes) == [12_000]
     finally:
+        counter.close()
+
+
+async def test_token_ids_are_counted_however_much_is_queued(qwen: PoolTokenizer) -> None:
+    """A prompt of token ids has nothing to tokenize: never refused as busy."""
+    long, long_bytes = _completion(12_000)
+    ids = json.dumps({"model": "q", "prompt": list(range(2000))}).encode()
+    assert len(ids) > INLINE_BODY_BYTES
+    counter = PromptCounter(workers=1, pending_bytes=1)
+    gate: Any = _Gated(qwen)
+    try:
+        task = asyncio.create_task(counter.count(gate, long, long_bytes))
+        await _started(gate)
+        assert await counter.count(gate, parse("completion", ids), len(ids)) == [2000]
+        gate.release.set()
+        assert await task == [12_000]
+    finally:
+        gate.release.set()
         counter.close()
