@@ -29,7 +29,7 @@ Per prompt size and workload it prints and writes to bench-results/overhead.json
    it is measured at the rate kvguard sustained, not at the no-op's own capacity;
 6. the floor under kvguard's added latency: the no-op at each latency point's rate and bodies,
    against the bare Envoy measured there: what the gRPC round trips alone add;
-7. what parsing a body costs (in this process, no Envoy): kvguard.request.load_json, which
+7. what parsing a body costs (in this process, no Envoy): kvguard.tokens.request.load_json, which
    refuses a key repeated in any object, against plain json.loads, on the same bodies, in µs.
    `--parse-only` measures only this.
 
@@ -78,8 +78,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.http_load import Http1Client, LeanUpstream  # noqa: E402
-from kvguard import grpc_io  # noqa: E402
-from kvguard.request import load_json  # noqa: E402
+from kvguard.ops import grpc_io  # noqa: E402
 from kvguard.testing import free_port  # noqa: E402
 from kvguard.testing.envoy import (  # noqa: E402
     EXT_PROC_FILTER,
@@ -88,7 +87,8 @@ from kvguard.testing.envoy import (  # noqa: E402
     without_http_filter,
 )
 from kvguard.testing.redis import RedisServer  # noqa: E402
-from kvguard.tokenizer import PoolTokenizer  # noqa: E402
+from kvguard.tokens.request import load_json  # noqa: E402
+from kvguard.tokens.tokenizer import PoolTokenizer  # noqa: E402
 
 TOKENIZER = ROOT / ".cache" / "models" / "qwen"
 WORDS = (ROOT / "README.md").read_text().split()

@@ -2,8 +2,8 @@
 
 For chat prompts of about 100, 1k, 8k and 32k Qwen tokens it prints:
 - counting throughput (tokens/s) of `count_prompts` on one thread, for text never counted
-  before (`new`) and for the same requests again (`seen`: kvguard.segments remembers them);
-  the prompts are English, Chinese and code (text kvguard.pretokens counts by pre-tokens),
+  before (`new`) and for the same requests again (`seen`: kvguard.tokens.segments remembers them);
+  the prompts are English, Chinese and code (text kvguard.tokens.pretokens counts by pre-tokens),
   and `other` is new text with Korean and Japanese kana in it (what tokenizers alone counts);
 - decision latency p50/p99 for text never counted before, alone (one request at a time) and
   concurrent (--concurrency streams in flight, closed loop), measured two ways, both in this
@@ -13,10 +13,10 @@ For chat prompts of about 100, 1k, 8k and 32k Qwen tokens it prints:
                writing the body message to reading its answer (client and server share one
                event loop, so the client's own work is included);
 - the worst case of counting by pre-tokens: texts of random letters, whose every pre-token is
-  new, counted by kvguard.pretokens (new, then again) against tokenizers alone;
+  new, counted by kvguard.tokens.pretokens (new, then again) against tokenizers alone;
 - a mixed load: the latency of 100, 1k and 3k-token requests, one at a time, while two streams
   keep sending 32k-token prompts, for several inline thresholds
-  (kvguard.counting.INLINE_BODY_BYTES): how the threshold was chosen.
+  (kvguard.tokens.counting.INLINE_BODY_BYTES): how the threshold was chosen.
 Writes bench-results/tokens.json.
 
     .venv/bin/python bench/bench_tokens.py [--quick] [--concurrency 16]
@@ -51,15 +51,15 @@ from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue  # noqa: E402
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb  # noqa: E402
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc  # noqa: E402
 
-from kvguard import config as configs  # noqa: E402
-from kvguard import counting  # noqa: E402
-from kvguard.admission import Decision  # noqa: E402
-from kvguard.counting import count_prompts  # noqa: E402
+from kvguard.admission.admit import Decision  # noqa: E402
+from kvguard.app import Service  # noqa: E402
+from kvguard.config import schema as configs  # noqa: E402
 from kvguard.errors import Refusal  # noqa: E402
-from kvguard.pretokens import PreTokenCounter  # noqa: E402
-from kvguard.request import parse  # noqa: E402
-from kvguard.server import Service  # noqa: E402
-from kvguard.tokenizer import PoolTokenizer  # noqa: E402
+from kvguard.tokens import counting  # noqa: E402
+from kvguard.tokens.counting import count_prompts  # noqa: E402
+from kvguard.tokens.pretokens import PreTokenCounter  # noqa: E402
+from kvguard.tokens.request import parse  # noqa: E402
+from kvguard.tokens.tokenizer import PoolTokenizer  # noqa: E402
 
 QWEN = ROOT / ".cache" / "models" / "qwen"
 SIZES = {"100": 100, "1k": 1_000, "8k": 8_000, "32k": 32_000}
@@ -69,7 +69,8 @@ PROSE = (
     "推理 東京 北京 naïve façade 42 3.14 2025 def return print(x) {json: true}"
 )
 WORDS = PROSE.split()
-# Words outside kvguard.pretokens.DOMAIN: a prompt holding them is counted by tokenizers alone.
+# Words outside kvguard.tokens.pretokens.DOMAIN: a prompt holding them is counted by
+# tokenizers alone.
 OTHER_WORDS = [*WORDS, "서울", "トークン"]
 
 
@@ -111,7 +112,7 @@ _NONCES = itertools.count()
 
 def new_text(body: bytes) -> bytes:
     """The body with a number no request had before leading its message: text never counted
-    (kvguard.segments would otherwise remember it from an earlier send)."""
+    (kvguard.tokens.segments would otherwise remember it from an earlier send)."""
     return body.replace(b'"content": "', b'"content": "%d ' % next(_NONCES), 1)
 
 
@@ -149,7 +150,7 @@ def throughput(tokenizer: PoolTokenizer, raw: list[bytes], other: list[bytes]) -
 
 def all_new_pre_tokens(count: int, words: int = 800) -> dict[str, float]:
     """ms per text of random letters (every pre-token new): tokenizers alone, then
-    kvguard.pretokens counting them new (learning each one) and again."""
+    kvguard.tokens.pretokens counting them new (learning each one) and again."""
     tokenizer = Tokenizer.from_file(str(QWEN / "tokenizer.json"))
     counter = PreTokenCounter.for_tokenizer(tokenizer)
     assert counter is not None

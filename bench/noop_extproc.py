@@ -1,7 +1,7 @@
 """A no-op ext_proc server in grpc.aio (uvloop), with grpc.health.v1: every message answered
 CONTINUE at once. bench_overhead.py --processor noop runs it in kvguard's place, to measure
 what grpc.aio itself costs per request (the floor under kvguard's figures). bench_overhead.py
-starts it with gRPC doing its I/O as in kvguard (kvguard/grpc_io.py).
+starts it with gRPC doing its I/O as in kvguard (kvguard/ops/grpc_io.py).
 
     .venv/bin/python bench/noop_extproc.py PORT
 """

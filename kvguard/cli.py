@@ -8,8 +8,9 @@ import os
 import sys
 from pathlib import Path
 
-from kvguard import __version__, logs
-from kvguard import config as configs
+from kvguard import __version__
+from kvguard.config import schema as configs
+from kvguard.ops import logs
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +29,8 @@ def _check_config(path: str) -> int:
     config = _load(path)
     if config is None:
         return 1
-    from kvguard import policy
-    from kvguard.redact import redact
+    from kvguard.admission import policy
+    from kvguard.config.redact import redact
 
     try:
         built = policy.build(config)
@@ -75,13 +76,13 @@ def _serve(path: str) -> int:
     if config is None:
         return 1
     logs.configure(config.server.log_level)
-    from kvguard.policy import warnings
+    from kvguard.admission.policy import warnings
 
     for warning in warnings(config):
         log.warning("%s: %s", path, warning)
     if config.server.workers == 1:
         return _serve_worker(config, Path(path))
-    from kvguard.workers import supervise
+    from kvguard.ops.workers import supervise
 
     return supervise(
         config.server.workers, lambda i: _serve_worker(_for_worker(config, i), Path(path))
@@ -100,12 +101,12 @@ def _for_worker(config: configs.Config, index: int) -> configs.Config:
 
 def _serve_worker(config: configs.Config, path: Path) -> int:
     # Imported here, after any fork: gRPC, its threads and the tokenizers must start fresh.
-    from kvguard.grpc_io import io_on_polling_thread
+    from kvguard.ops.grpc_io import io_on_polling_thread
 
     io_on_polling_thread()
     import uvloop
 
-    from kvguard.server import serve
+    from kvguard.app import serve
 
     try:
         uvloop.run(serve(config, path))
@@ -124,9 +125,9 @@ def _ledger_status(path: str) -> int:
         return _ledger_status_via_admin(config)
     import asyncio
 
+    from kvguard.admin.status import PoolSpec, read_status, render
+    from kvguard.config.redact import redact
     from kvguard.ledger import LedgerUnavailable
-    from kvguard.ledger.status import PoolSpec, read_status, render
-    from kvguard.redact import redact
 
     pools = [PoolSpec(p.name, p.capacity.blocks, p.watermark) for p in config.pools]
     try:
@@ -146,8 +147,8 @@ def _ledger_status_via_admin(config: configs.Config) -> int:
     that process's admin API (kvguard.v1.AdminService/GetUsage) answers."""
     import asyncio
 
-    from kvguard.extproc.admin import read_usage
-    from kvguard.ledger.status import PoolSpec, PoolStatus, render
+    from kvguard.admin.service import read_usage
+    from kvguard.admin.status import PoolSpec, PoolStatus, render
 
     host, _, port = config.server.grpc_listen.rpartition(":")
     address = f"{'127.0.0.1' if host in ('', '0.0.0.0', '[::]') else host}:{port}"
@@ -246,7 +247,7 @@ def _main(argv: list[str] | None) -> int:
         return run_from_args(args)
     if args.command == "sim-server":
         return standalone.run_from_args(args)
-    from kvguard.demo import run_demo
+    from kvguard.sim.demo import run_demo
 
     return run_demo(requests_per_tenant=args.requests)
 

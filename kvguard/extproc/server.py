@@ -9,9 +9,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_gr
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from kvguard.extproc.admin import AdminService
+from kvguard.admin.service import AdminService
 from kvguard.extproc.service import ExternalProcessor
-from kvguard.health import Health
+from kvguard.ops.health import Health
 from kvguard.v1 import admin_pb2_grpc
 
 # Health service names: "" and the ext_proc service mean "ready to admit"; "liveness" means

@@ -22,15 +22,15 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
     ProcessingResponse,
 )
 
-from kvguard.admission import Admission, Admitted, Decision
+from kvguard.admission.admit import Admission, Admitted, Decision
+from kvguard.admission.leases import LeaseKeeper
+from kvguard.admission.policy import Identity, Policy, identify_request
 from kvguard.errors import Code, Refusal, invalid
 from kvguard.extproc import responses
-from kvguard.leases import LeaseKeeper
 from kvguard.ledger import Lease
-from kvguard.policy import Identity, Policy, identify_request
-from kvguard.request import Kind, guarded_kind
-from kvguard.telemetry import Telemetry
-from kvguard.throttled_log import ThrottledWarnings
+from kvguard.ops.telemetry import Telemetry
+from kvguard.ops.throttled_log import ThrottledWarnings
+from kvguard.tokens.request import Kind, guarded_kind
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,10 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvguard.capacity import PoolCapacity
-from kvguard.config import Config
+from kvguard.admission.capacity import PoolCapacity
+from kvguard.admission.estimate import blocks_needed, clamp
+from kvguard.config.schema import Config
 from kvguard.errors import Code, Refusal
-from kvguard.estimate import blocks_needed, clamp
 from kvguard.ledger import Claim, Lease, Outcome
 from kvguard.ledger.memory import MemoryLedger
 from kvguard.sim.trace import TraceRequest

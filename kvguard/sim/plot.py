@@ -13,7 +13,7 @@ matplotlib.use("Agg")  # files only, no display
 
 import matplotlib.pyplot as plt
 
-from kvguard.capacity import PoolCapacity
+from kvguard.admission.capacity import PoolCapacity
 from kvguard.sim.replay import Run
 
 _UNGUARDED, _GUARDED, _REFUSED = "#d62728", "#1f77b4", "#ff7f0e"

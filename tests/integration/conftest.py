@@ -14,8 +14,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kvguard import config as configs
-from kvguard.server import Service
+from kvguard.app import Service
+from kvguard.config import schema as configs
 from kvguard.testing.envoy import EnvoyProcess, loopback_config
 from kvguard.testing.upstream import RecordingUpstream
 from tests.conftest import kvguard_config, write_config

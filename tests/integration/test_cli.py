@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from kvguard import __version__ as kvguard_version
-from kvguard.discovery import EndpointCache, parse_cache_config
+from kvguard.ops.discovery import EndpointCache, parse_cache_config
 from kvguard.testing import free_port
 from kvguard.testing.envoy import EnvoyProcess, loopback_config
 from kvguard.testing.upstream import RecordingUpstream

@@ -1,4 +1,4 @@
-"""gRPC's core does its I/O on the thread that polls its completion queue (kvguard/grpc_io.py):
+"""gRPC's core does its I/O on the thread that polls its completion queue (kvguard/ops/grpc_io.py):
 while `kvguard serve` answers ext_proc streams, its EventEngine threads do none of the work,
 unless GRPC_EXPERIMENTS in its environment says otherwise. Fails when the pinned grpcio stops
 knowing or honouring the experiments kvguard turns off."""

@@ -10,10 +10,10 @@ import grpc
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from kvguard import config as configs
+from kvguard.app import Service
+from kvguard.config import schema as configs
 from kvguard.ledger import Claim, Outcome
 from kvguard.ledger.redis_ledger import RedisLedger
-from kvguard.server import Service
 from kvguard.testing import free_port
 from kvguard.testing.redis import RedisServer
 from tests.conftest import kvguard_config, write_config

@@ -25,10 +25,10 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvguard import config as configs
+from kvguard.app import Service
+from kvguard.config import schema as configs
 from kvguard.ledger.redis_ledger import RedisLedger
 from kvguard.ledger.resilient import ResilientLedger, local_share
-from kvguard.server import Service
 from kvguard.testing.redis import RedisServer
 from tests.conftest import kvguard_config, write_config
 from tests.protocol.harness import (

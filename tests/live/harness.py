@@ -24,8 +24,8 @@ import aiohttp
 import yaml
 from aiohttp import web
 
-from kvguard.capacity import PoolCapacity
-from kvguard.extproc.admin import read_usage
+from kvguard.admin.service import read_usage
+from kvguard.admission.capacity import PoolCapacity
 from kvguard.testing import free_port
 from kvguard.testing.envoy import (
     EnvoyProcess,

@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kvguard.capacity import PoolCapacity
+from kvguard.admission.capacity import PoolCapacity
 from kvguard.testing.vllm import VllmProcess
 from tests.live.harness import Gateway, gateway, text, wait_until
 

@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from kvguard.capacity import PoolCapacity
+from kvguard.admission.capacity import PoolCapacity
 from kvguard.testing.vllm import VllmProcess
 from tests.live.harness import (
     Flood,

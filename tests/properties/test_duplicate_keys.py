@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvguard.errors import Code, Refusal
-from kvguard.request import load_json
+from kvguard.tokens.request import load_json
 
 KEYS = st.from_regex(r"[a-z_][a-z0-9_]{0,6}", fullmatch=True)
 SCALARS = st.none() | st.booleans() | st.integers() | st.text(max_size=8)

@@ -1,5 +1,5 @@
-"""Property-based: the lower bounds of kvguard.prefix_bound never pass the whole text's count,
-on the real Qwen and Llama 3.2 tokenizers.
+"""Property-based: the lower bounds of kvguard.tokens.prefix_bound never pass the whole text's
+count, on the real Qwen and Llama 3.2 tokenizers.
 
 Texts come from words, whitespace runs, contractions, composed and decomposed characters, runs
 of combining marks, other scripts, long runs of one character (the longest tokens), every added
@@ -15,8 +15,8 @@ import pytest
 from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
-from kvguard.prefix_bound import PrefixBound, settled_tokens
-from kvguard.segments import SegmentCounter
+from kvguard.tokens.prefix_bound import PrefixBound, settled_tokens
+from kvguard.tokens.segments import SegmentCounter
 from tests.properties.test_segment_counts import ADDED, FRAGMENTS, TOKENIZERS
 
 MORE = ["don't", "   x", "\u0301", "a\u0301\u0316", " 12", "1,234", "\u3000", "서울", "ﾄｰｸﾝ"]

@@ -1,4 +1,5 @@
-"""Counting by pre-tokens cuts where tokenizers cuts and equals its count (kvguard.pretokens).
+"""Counting by pre-tokens cuts where tokenizers cuts and equals its count
+(kvguard.tokens.pretokens).
 
 The real Qwen and Llama 3.2 tokenizers, against their own encode, on texts drawn from every
 character of the domain where counting by pre-tokens applies, weighted towards what their regexes
@@ -14,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from kvguard import pretokens
-from kvguard.pretokens import DOMAIN, PreTokenCounter
+from kvguard.tokens import pretokens
+from kvguard.tokens.pretokens import DOMAIN, PreTokenCounter
 from tests.conftest import model_dir
 
 TOKENIZERS = {

@@ -20,9 +20,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvguard import config as configs
+from kvguard.app import Service
+from kvguard.config import schema as configs
 from kvguard.errors import Code
-from kvguard.server import Service
 from tests.conftest import kvguard_config, write_config
 from tests.protocol.harness import body, headers
 

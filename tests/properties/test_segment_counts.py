@@ -1,4 +1,5 @@
-"""Counting by segments between added tokens equals counting the whole text (kvguard.segments).
+"""Counting by segments between added tokens equals counting the whole text
+(kvguard.tokens.segments).
 
 The real Qwen and Llama 3.2 tokenizers, against their own whole-text encode, on texts built
 from words, whitespace and line breaks, non-ASCII and composed/decomposed characters, digits,
@@ -15,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
-from kvguard.segments import SegmentCounter
+from kvguard.tokens.segments import SegmentCounter
 from tests.conftest import model_dir
 
 FRAGMENTS = [

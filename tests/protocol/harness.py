@@ -15,9 +15,9 @@ from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from kvguard import config as configs
-from kvguard.server import Service
-from kvguard.telemetry import Providers
+from kvguard.app import Service
+from kvguard.config import schema as configs
+from kvguard.ops.telemetry import Providers
 from tests.conftest import kvguard_config, write_config
 
 

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from kvguard.counting import LONG_WORK_BYTES, PromptCounter, work_bytes
+from kvguard.app import Service
 from kvguard.extproc.service import EXTENDED_MESSAGE_TIMEOUT_S
-from kvguard.request import parse
-from kvguard.server import Service
-from kvguard.tokenizer import PoolTokenizer
+from kvguard.tokens.counting import LONG_WORK_BYTES, PromptCounter, work_bytes
+from kvguard.tokens.request import parse
+from kvguard.tokens.tokenizer import PoolTokenizer
 from tests.protocol.harness import (
     body,
     headers,

@@ -14,7 +14,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from kvguard.extproc.service import ExternalProcessor
-from kvguard.telemetry import Providers
+from kvguard.ops.telemetry import Providers
 from tests.protocol.harness import body, exchange, headers, reserved, running, wait_until
 
 CHAT = {"model": "qwen", "messages": [{"role": "user", "content": "Say hello in French."}]}
@@ -41,7 +41,7 @@ async def test_streams_open_at_the_end_of_the_grace_are_cut_and_counted(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     reader = InMemoryMetricReader()
-    caplog.set_level(logging.INFO, logger="kvguard.server")
+    caplog.set_level(logging.INFO, logger="kvguard.app")
     providers = Providers(MeterProvider([reader]), None, None)
     async with running(tmp_path, providers=providers) as (service, stub):
         admitted, _ = await exchange(stub, headers("/v1/chat/completions"), body(CHAT))
@@ -68,7 +68,7 @@ async def test_streams_that_end_within_the_grace_are_waited_for_not_cut(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     reader = InMemoryMetricReader()
-    caplog.set_level(logging.INFO, logger="kvguard.server")
+    caplog.set_level(logging.INFO, logger="kvguard.app")
     providers = Providers(MeterProvider([reader]), None, None)
     async with running(tmp_path, providers=providers) as (service, stub):
         calls = [
@@ -94,7 +94,7 @@ async def test_a_stream_taken_before_the_grace_but_not_yet_handled_is_served(
     """gRPC has taken the stream, but its handler has not started when the drain begins (the
     moment between the two): the drain waits for it like any other, and nothing is cut."""
     reader = InMemoryMetricReader()
-    caplog.set_level(logging.INFO, logger="kvguard.server")
+    caplog.set_level(logging.INFO, logger="kvguard.app")
     providers = Providers(MeterProvider([reader]), None, None)
     taken, release = asyncio.Event(), asyncio.Event()
     process = ExternalProcessor.Process

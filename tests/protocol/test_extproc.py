@@ -15,7 +15,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingResponse
 from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvguard.server import Service
+from kvguard.app import Service
 from tests.protocol.harness import (
     body,
     exchange,

@@ -1,6 +1,6 @@
 """Every 503 internal_error kvguard answers leaves its traceback in the log: a fault, and the
 refusal of a large prompt while too much counting is queued (that one at most once per
-kvguard.throttled_log.EVERY_S: under overload it comes for many requests a second)."""
+kvguard.ops.throttled_log.EVERY_S: under overload it comes for many requests a second)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from kvguard import throttled_log
-from kvguard.server import Service
+from kvguard.app import Service
+from kvguard.ops import throttled_log
 from tests.protocol.harness import body, exchange, headers, refusal, running
 
-# Above kvguard.counting.INLINE_BODY_BYTES: counted on a thread, where the backlog applies.
+# Above kvguard.tokens.counting.INLINE_BODY_BYTES: counted on a thread, where the backlog applies.
 LARGE = {"model": "qwen", "messages": [{"role": "user", "content": "word " * 2000}]}
 
 
@@ -29,7 +29,7 @@ def _ledger_fault(service: Service, monkeypatch: pytest.MonkeyPatch) -> str:
 
 def _counting_backlog(service: Service, monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setattr(service.admission.counter, "_too_busy", lambda _bytes: True)
-    return "kvguard/counting.py"  # where the refusal was raised
+    return "kvguard/tokens/counting.py"  # where the refusal was raised
 
 
 @pytest.mark.parametrize("cause", [_ledger_fault, _counting_backlog])

@@ -18,10 +18,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from kvguard import config as configs
-from kvguard.reload import PolicyWatcher
-from kvguard.server import Service
-from kvguard.telemetry import Providers
+from kvguard.app import Service
+from kvguard.config import schema as configs
+from kvguard.config.reload import PolicyWatcher
+from kvguard.ops.telemetry import Providers
 from tests.conftest import kvguard_config
 from tests.protocol.harness import body, exchange, headers, wait_until
 
@@ -75,7 +75,7 @@ async def test_configmap_swap_applies_and_a_bad_change_keeps_the_last_good_polic
 
     try:
         assert await cap_seen() == 512
-        caplog.set_level(logging.WARNING, logger="kvguard.server")
+        caplog.set_level(logging.WARNING, logger="kvguard.app")
         data["tenancy"]["tiers"]["pro"]["max_tokens_cap"] = 1000
         data["tenancy"]["tiers"]["pro"]["max_blocks"] = 5000  # above the pool's limit: a warning
         configmap_update(tmp_path, "v2", data)
@@ -90,7 +90,7 @@ async def test_configmap_swap_applies_and_a_bad_change_keeps_the_last_good_polic
             caplog.text
         )
 
-        caplog.set_level(logging.ERROR, logger="kvguard.reload")
+        caplog.set_level(logging.ERROR, logger="kvguard.config.reload")
         data["tenancy"]["tiers"]["pro"]["max_tokens_cap"] = -1
         configmap_update(tmp_path, "v3", data)
 
@@ -123,7 +123,7 @@ async def test_a_change_whose_load_raises_anything_is_rejected_and_watching_goes
         return text
 
     watcher = PolicyWatcher(path, load, published.append, results.append, interval_s=0.01)
-    caplog.set_level(logging.ERROR, logger="kvguard.reload")
+    caplog.set_level(logging.ERROR, logger="kvguard.config.reload")
     task = asyncio.create_task(watcher.run())
     try:
         path.write_text("v2, a file the loader chokes on")

@@ -12,10 +12,10 @@ import grpc
 import yaml
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from kvguard import config as configs
-from kvguard.policy import TokenizerCache, build
-from kvguard.server import Service
-from kvguard.tokenizer import PoolTokenizer
+from kvguard.admission.policy import TokenizerCache, build
+from kvguard.app import Service
+from kvguard.config import schema as configs
+from kvguard.tokens.tokenizer import PoolTokenizer
 from tests.conftest import kvguard_config, write_config
 from tests.protocol.harness import body, exchange, headers, running, set_headers, wait_until
 

@@ -18,8 +18,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from pythonjsonlogger.json import JsonFormatter
 
-from kvguard.metrics import bounded_tenants
-from kvguard.telemetry import Providers
+from kvguard.ops.metrics import bounded_tenants
+from kvguard.ops.telemetry import Providers
 from tests.conftest import kvguard_config, write_config
 from tests.protocol.harness import body, exchange, headers, reserved, running, wait_until
 from tests.unit.test_discovery import FakeVllm

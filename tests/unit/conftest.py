@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from kvguard.tokenizer import PoolTokenizer
+from kvguard.tokens.tokenizer import PoolTokenizer
 from tests.conftest import model_dir
 
 

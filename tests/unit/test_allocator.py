@@ -16,7 +16,7 @@ def _allocator_with(preload: str | None) -> str:
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     if preload is not None:
         env["LD_PRELOAD"] = preload
-    code = "from kvguard.server import allocator; print(allocator())"
+    code = "from kvguard.app import allocator; print(allocator())"
     result = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )

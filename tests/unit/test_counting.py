@@ -1,9 +1,9 @@
-"""kvguard.counting against transformers, through the entry point admission uses.
+"""kvguard.tokens.counting against transformers, through the entry point admission uses.
 
 A generated corpus (fixed seed) of chat and completion requests goes through
-`kvguard.request.parse` and `kvguard.counting.count_prompts`, inline and batched, and must give
-exactly the token counts transformers gives: Qwen's files for chat and completions, Llama 3.2's
-for completions. Each request's reference is built here, independently of kvguard's own
+`kvguard.tokens.request.parse` and `kvguard.tokens.counting.count_prompts`, inline and batched,
+and must give exactly the token counts transformers gives: Qwen's files for chat and completions,
+Llama 3.2's for completions. Each request's reference is built here, independently of kvguard's own
 normalisation: what vLLM hands `apply_chat_template` (text parts joined with "\\n", tool-call
 arguments parsed, null content as ""), then the tokenizer.
 """
@@ -21,10 +21,11 @@ from typing import Any
 
 import pytest
 
-from kvguard import config as configs
-from kvguard import counting
-from kvguard import policy as policies
-from kvguard.counting import (
+from kvguard.admission import policy as policies
+from kvguard.config import schema as configs
+from kvguard.errors import Code, Refusal
+from kvguard.tokens import counting
+from kvguard.tokens.counting import (
     INITIAL_BYTES_PER_S,
     INLINE_BODY_BYTES,
     LONG_WORK_BYTES,
@@ -32,9 +33,8 @@ from kvguard.counting import (
     count_prompts,
     work_bytes,
 )
-from kvguard.errors import Code, Refusal
-from kvguard.request import parse
-from kvguard.tokenizer import PoolTokenizer
+from kvguard.tokens.request import parse
+from kvguard.tokens.tokenizer import PoolTokenizer
 from tests.conftest import model_dir
 from tests.unit import test_tokenizer as handwritten
 
@@ -309,7 +309,7 @@ CHATS, COMPLETIONS = _corpus()
 
 def _counted(tokenizer: PoolTokenizer, kind: str, body: dict[str, Any], **kw: Any) -> list[int]:
     """count_prompts on a parse()d request, twice: the second count finds the text's segments
-    counted before (kvguard.segments), and both must agree."""
+    counted before (kvguard.tokens.segments), and both must agree."""
     request = parse(kind, json.dumps(body).encode())
     first = count_prompts(tokenizer, request, **kw)
     assert count_prompts(tokenizer, request, **kw) == first

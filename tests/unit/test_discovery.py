@@ -20,9 +20,11 @@ import pytest
 from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from kvguard import config as configs
-from kvguard.capacity import Capacities, PoolCapacity
-from kvguard.discovery import (
+from kvguard.admission.capacity import Capacities, PoolCapacity
+from kvguard.admission.policy import TokenizerCache, build
+from kvguard.app import Service
+from kvguard.config import schema as configs
+from kvguard.ops.discovery import (
     STALE_AFTER_REFRESHES,
     Discovery,
     DiscoveryError,
@@ -31,9 +33,7 @@ from kvguard.discovery import (
     metrics_url,
     parse_cache_config,
 )
-from kvguard.health import Health
-from kvguard.policy import TokenizerCache, build
-from kvguard.server import Service
+from kvguard.ops.health import Health
 from kvguard.testing import free_port
 from tests.conftest import kvguard_config, write_config
 from tests.protocol.harness import body, exchange, headers, refusal, wait_until
@@ -203,7 +203,7 @@ async def test_disagreeing_block_sizes_leave_the_pool_unknown(
         capacities = Capacities()
         policy = build(discovered_config(tmp_path, [a.url, b.url]))
         discovery = Discovery(lambda: policy, capacities)
-        with caplog.at_level(logging.INFO, logger="kvguard.discovery"):
+        with caplog.at_level(logging.INFO, logger="kvguard.ops.discovery"):
             async with aiohttp.ClientSession() as session:
                 await discovery.refresh(session)
                 await discovery.refresh(session)
@@ -224,7 +224,7 @@ async def test_a_failing_endpoint_keeps_its_last_reading_for_a_bounded_time(
         capacities.subscribe(lambda: health.set("capacity", capacities.any_known()))
         policy = build(discovered_config(tmp_path, [vllm.url]))
         discovery = Discovery(lambda: policy, capacities, clock=clock)
-        with caplog.at_level(logging.INFO, logger="kvguard.discovery"):
+        with caplog.at_level(logging.INFO, logger="kvguard.ops.discovery"):
             async with aiohttp.ClientSession() as session:
                 await discovery.refresh(session)
                 assert capacities.get("qwen") == PoolCapacity(63, 128)

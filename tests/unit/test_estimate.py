@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvguard.config import Tier
+from kvguard.admission.estimate import blocks_needed, clamp, pool_limit
+from kvguard.config.schema import Tier
 from kvguard.errors import Code, Refusal
-from kvguard.estimate import blocks_needed, clamp, pool_limit
 
 TIER = Tier(max_tokens_cap=512, default_max_tokens=256, max_blocks=100)
 

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import pytest
 
-from kvguard.leases import LeaseKeeper
+from kvguard.admission.leases import LeaseKeeper
 from kvguard.ledger import Claim, Lease, Ledger, LedgerUnavailable, Outcome
 from kvguard.ledger import redis_ledger as redis_ledger_module
 from kvguard.ledger.memory import MemoryLedger

@@ -1,4 +1,4 @@
-"""Logging never blocks its caller, even when stderr does (kvguard.logs)."""
+"""Logging never blocks its caller, even when stderr does (kvguard.ops.logs)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import select
 import subprocess
 import sys
 
-from kvguard.logs import MAX_QUEUED_RECORDS
+from kvguard.ops.logs import MAX_QUEUED_RECORDS
 
 CHILD = """
 import logging, sys, time
-from kvguard import logs
+from kvguard.ops import logs
 logs.configure("info")
 log = logging.getLogger("test")
 for i in range(int(sys.argv[1])):
@@ -64,7 +64,7 @@ def test_a_blocked_stderr_neither_blocks_the_caller_nor_loses_count() -> None:
 
 STUCK = """
 import logging, sys
-from kvguard import logs
+from kvguard.ops import logs
 logs.configure("info")
 logs.STOP_TIMEOUT_S = 0.2
 for i in range(logs.MAX_QUEUED_RECORDS + 2_000):

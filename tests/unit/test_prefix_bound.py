@@ -1,6 +1,7 @@
-"""A prompt that passes max_model_len is counted only until it is known to (kvguard.prefix_bound):
-a lower bound, from its length or a prefix, refuses it; a prompt that fits is still counted
-exactly; and the counting backlog weighs each body by what its count reads at most."""
+"""A prompt that passes max_model_len is counted only until it is known to
+(kvguard.tokens.prefix_bound): a lower bound, from its length or a prefix, refuses it; a prompt
+that fits is still counted exactly; and the counting backlog weighs each body by what its count
+reads at most."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ from typing import Any
 import pytest
 from tokenizers import AddedToken, Tokenizer, pre_tokenizers
 
-from kvguard.counting import LONG_WORK_BYTES, PromptCounter, count_prompts, work_bytes
 from kvguard.errors import Code, Refusal
-from kvguard.prefix_bound import FIRST_LOOK_CHARS, PrefixBound
-from kvguard.request import parse
-from kvguard.tokenizer import PoolTokenizer
+from kvguard.tokens.counting import LONG_WORK_BYTES, PromptCounter, count_prompts, work_bytes
+from kvguard.tokens.prefix_bound import FIRST_LOOK_CHARS, PrefixBound
+from kvguard.tokens.request import parse
+from kvguard.tokens.tokenizer import PoolTokenizer
 from tests.conftest import model_dir
 
 PROSE = "the quick brown fox jumps over a lazy dog, don't you think?\n数据 中心 naïve 3.14 "
@@ -100,7 +101,7 @@ def test_the_bound_never_passes_the_count_and_short_texts_stay_exact(name: str) 
 def test_a_chat_of_many_turns_is_counted_turn_batch_by_turn_batch() -> None:
     recording = Recording(raw("qwen"))
     tokenizer = PoolTokenizer(recording, {}, {})  # type: ignore[arg-type]
-    # Hangul: text kvguard.pretokens leaves to tokenizers, where the characters are seen.
+    # Hangul: text kvguard.tokens.pretokens leaves to tokenizers, where the characters are seen.
     turns = [f"<|im_start|>user\n{i} 서울 {PROSE}<|im_end|>\n" for i in range(20_000)]
     text = "".join(turns)
     recording.chars = 0
@@ -113,7 +114,7 @@ def test_a_tokenizer_counted_by_whole_texts_is_bounded_too() -> None:
     """Where counting by segments might differ (here: added tokens encoded as text), whole
     texts are bounded from their prefixes, special tokens included."""
     exact = raw("llama3.2")
-    exact.encode_special_tokens = True  # kvguard.segments declines such a tokenizer
+    exact.encode_special_tokens = True  # kvguard.tokens.segments declines such a tokenizer
     recording = Recording(exact)
     tokenizer = PoolTokenizer(recording, {}, {})  # type: ignore[arg-type]
     text = "<|eot_id|>" + (PROSE * 20_000)

@@ -1,4 +1,4 @@
-"""Where counting by pre-tokens applies, and where it must not (kvguard.pretokens)."""
+"""Where counting by pre-tokens applies, and where it must not (kvguard.tokens.pretokens)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ import unicodedata
 import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
-from kvguard import pretokens
-from kvguard.pretokens import (
+from kvguard.tokens import pretokens
+from kvguard.tokens.pretokens import (
     DOMAIN,
     GPT2_PATTERN,
     MAX_SEGMENT_CHARS,
     PreTokenCounter,
     domain_pattern,
 )
-from kvguard.segments import SegmentCounter
+from kvguard.tokens.segments import SegmentCounter
 from tests.conftest import model_dir
 
 QWEN = Tokenizer.from_file(str(model_dir("qwen") / "tokenizer.json"))
@@ -164,7 +164,7 @@ def test_a_tokenizer_that_fails_the_self_check_gets_no_counter(
 ) -> None:
     # Cutting at every whitespace run is not how Qwen cuts "  x" (" " + " x").
     monkeypatch.setattr(pretokens, "domain_pattern", lambda _: re.compile(r"\S+|\s+"))
-    with caplog.at_level(logging.WARNING, logger="kvguard.pretokens"):
+    with caplog.at_level(logging.WARNING, logger="kvguard.tokens.pretokens"):
         assert PreTokenCounter.for_tokenizer(QWEN) is None
     assert "self-check texts count differently" in caplog.text
 

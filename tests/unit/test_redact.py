@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvguard.redact import redact
+from kvguard.config.redact import redact
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""kvguard.request: what a body must be before anything is counted or reserved."""
+"""kvguard.tokens.request: what a body must be before anything is counted or reserved."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvguard.errors import Code, Refusal
-from kvguard.request import load_json, parse
+from kvguard.tokens.request import load_json, parse
 
 HI = '{"model": "qwen", "messages": [{"role": "user", "content": "hi"}]'
 

@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import pytest_asyncio
 
-from kvguard.discovery import parse_cache_config
+from kvguard.ops.discovery import parse_cache_config
 from kvguard.sim.engine import EngineConfig, StepCost
 from kvguard.sim.server import SimServer
 from kvguard.testing.vllm import parse_metrics

@@ -1,4 +1,4 @@
-"""Warnings with a traceback, at most one a place per EVERY_S (kvguard.throttled_log)."""
+"""Warnings with a traceback, at most one a place per EVERY_S (kvguard.ops.throttled_log)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from kvguard.throttled_log import EVERY_S, ThrottledWarnings
+from kvguard.ops.throttled_log import EVERY_S, ThrottledWarnings
 
 log = logging.getLogger("kvguard.test")
 

@@ -1,4 +1,5 @@
-"""kvguard.tokenizer against transformers, the reference vLLM itself renders and tokenizes with.
+"""kvguard.tokens.tokenizer against transformers, the reference vLLM itself renders and tokenizes
+with.
 
 Each chat case holds the request kvguard sees and the reference input: the messages, tools and
 template arguments vLLM 0.32 hands to `apply_chat_template` after its own normalisation (text
@@ -19,12 +20,12 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer
 
-from kvguard.chat_messages import lax_bool
-from kvguard.chat_template import ChatTemplate, ChatTemplateError, detect_content_format
-from kvguard.counting import count_prompts
 from kvguard.errors import Refusal
-from kvguard.request import add_special_tokens, parse
-from kvguard.tokenizer import PoolTokenizer, TokenizerError
+from kvguard.tokens.chat_messages import lax_bool
+from kvguard.tokens.chat_template import ChatTemplate, ChatTemplateError, detect_content_format
+from kvguard.tokens.counting import count_prompts
+from kvguard.tokens.request import add_special_tokens, parse
+from kvguard.tokens.tokenizer import PoolTokenizer, TokenizerError
 from tests.conftest import model_dir
 
 transformers = pytest.importorskip("transformers")

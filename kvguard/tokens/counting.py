@@ -9,8 +9,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
 from kvguard.errors import Code, Refusal, invalid
-from kvguard.request import InferenceRequest, add_special_tokens, prompts_of
-from kvguard.tokenizer import PoolTokenizer, TokenizerError
+from kvguard.tokens.request import InferenceRequest, add_special_tokens, prompts_of
+from kvguard.tokens.tokenizer import PoolTokenizer, TokenizerError
 
 # Where a count runs, by body size (bench/bench_tokens.py has the measurements, Qwen, 2 CPUs).
 # Counting new text costs ~0.15-0.2 µs per body byte: bodies up to 4 KiB stall the event loop

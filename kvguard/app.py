@@ -8,24 +8,24 @@ import logging
 import signal
 from pathlib import Path
 
-from kvguard import config as configs
-from kvguard import policy as policies
-from kvguard import telemetry
-from kvguard.admission import Admission, AdmissionSettings
-from kvguard.capacity import Capacities
-from kvguard.config import Config
-from kvguard.counting import PromptCounter
-from kvguard.discovery import Discovery
-from kvguard.extproc.admin import AdminService
+from kvguard.admin.service import AdminService
+from kvguard.admission import policy as policies
+from kvguard.admission.admit import Admission, AdmissionSettings
+from kvguard.admission.capacity import Capacities
+from kvguard.admission.leases import LeaseKeeper
+from kvguard.config import schema as configs
+from kvguard.config.reload import PolicyWatcher
+from kvguard.config.schema import Config
 from kvguard.extproc.server import GrpcServer
 from kvguard.extproc.service import ExternalProcessor
-from kvguard.health import Health
-from kvguard.leases import LeaseKeeper
 from kvguard.ledger.resilient import ResilientLedger
 from kvguard.ledger.url import from_url
-from kvguard.metrics import Metrics
-from kvguard.reload import PolicyWatcher
-from kvguard.tasks import cancel_and_wait
+from kvguard.ops import telemetry
+from kvguard.ops.discovery import Discovery
+from kvguard.ops.health import Health
+from kvguard.ops.metrics import Metrics
+from kvguard.ops.tasks import cancel_and_wait
+from kvguard.tokens.counting import PromptCounter
 
 log = logging.getLogger(__name__)
 

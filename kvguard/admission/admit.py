@@ -10,13 +10,13 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from kvguard.capacity import Capacities
-from kvguard.counting import PromptCounter
+from kvguard.admission.capacity import Capacities
+from kvguard.admission.estimate import blocks_needed, clamp
+from kvguard.admission.policy import Identity, Policy
 from kvguard.errors import Code, Refusal
-from kvguard.estimate import blocks_needed, clamp
 from kvguard.ledger import Claim, Lease, Ledger, LedgerUnavailable, Outcome
-from kvguard.policy import Identity, Policy
-from kvguard.request import Kind, parse
+from kvguard.tokens.counting import PromptCounter
+from kvguard.tokens.request import Kind, parse
 
 # Seconds a 429 asks the client to wait. A constant for now: leases end when responses do,
 # which kvguard cannot foresee.

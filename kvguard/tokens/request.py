@@ -11,8 +11,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvguard.chat_messages import TokenizerError, lax_bool
 from kvguard.errors import invalid
+from kvguard.tokens.chat_messages import TokenizerError, lax_bool
 
 Kind = Literal["chat", "completion"]
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from kvguard import config as configs
+from kvguard.config import schema as configs
 
 T = TypeVar("T")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvguard.config import Tier
+from kvguard.config.schema import Tier
 from kvguard.errors import Code, Refusal, invalid
-from kvguard.request import LIMIT_FIELDS, Kind
+from kvguard.tokens.request import LIMIT_FIELDS, Kind
 
 
 @dataclass(frozen=True, slots=True)

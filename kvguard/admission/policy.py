@@ -12,11 +12,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvguard.capacity import PoolCapacity
-from kvguard.config import Config, Pool, Tenancy, Tier
+from kvguard.admission.capacity import PoolCapacity
+from kvguard.admission.estimate import blocks_needed, clamp, pool_limit
+from kvguard.config.schema import Config, Pool, Tenancy, Tier
 from kvguard.errors import Code, Refusal
-from kvguard.estimate import blocks_needed, clamp, pool_limit
-from kvguard.tokenizer import PoolTokenizer
+from kvguard.tokens.tokenizer import PoolTokenizer
 
 
 @dataclass(frozen=True, slots=True)

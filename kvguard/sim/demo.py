@@ -28,16 +28,16 @@ from typing import Any
 
 import yaml
 
-from kvguard import config as configs
-from kvguard.capacity import PoolCapacity
-from kvguard.server import Service
+from kvguard.admission.capacity import PoolCapacity
+from kvguard.app import Service
+from kvguard.config import schema as configs
 from kvguard.sim.engine import EngineConfig, StepCost
 from kvguard.sim.load import Answer, Planned, send_all
 from kvguard.sim.report import percentile
 from kvguard.sim.server import SimServer
 from kvguard.testing.envoy import EnvoyProcess, loopback_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = ROOT / ".cache" / "models" / "qwen"
 MODEL = "qwen2.5-7b-instruct"
 ENGINE = EngineConfig(

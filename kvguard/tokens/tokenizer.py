@@ -3,7 +3,7 @@
 Chat: messages are normalised as vLLM's `parse_chat_messages` (vllm/entrypoints/chat_utils.py)
 does, the template arguments are merged as `ChatCompletionRequest.build_chat_params` and
 `OnlineRenderer.preprocess_chat` merge them, and the template is rendered as transformers'
-`apply_chat_template(tokenize=False)` does (kvguard.chat_template). Counting runs the Rust
+`apply_chat_template(tokenize=False)` does (kvguard.tokens.chat_template). Counting runs the Rust
 `tokenizers` pipeline of tokenizer.json, which is what `AutoTokenizer.from_pretrained(folder)`
 runs too: transformers ≥ 5 keeps the file's post-processor (a config's `add_bos_token` does
 not rewrite it), so BOS is added exactly where tokenizer.json says.
@@ -20,17 +20,17 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer
 
-from kvguard.chat_arguments import template_arguments
-from kvguard.chat_messages import TokenizerError, normalise_messages, normalise_tools
-from kvguard.chat_template import ChatTemplate, ChatTemplateError
-from kvguard.prefix_bound import PrefixBound, worth_bounding
-from kvguard.segments import SegmentCounter
+from kvguard.tokens.chat_arguments import template_arguments
+from kvguard.tokens.chat_messages import TokenizerError, normalise_messages, normalise_tools
+from kvguard.tokens.chat_template import ChatTemplate, ChatTemplateError
+from kvguard.tokens.prefix_bound import PrefixBound, worth_bounding
+from kvguard.tokens.segments import SegmentCounter
 
 __all__ = ["ChatPrompt", "PoolTokenizer", "TokenizerError"]
 
-# Counts run on kvguard's own threads (kvguard.counting); tokenizers' rayon pool would split a
-# batch of segments across more threads again, for more CPU and no gain (measured: 333 µs of
-# CPU against 247 µs for one chat's nine segments). It reads the variable at each call.
+# Counts run on kvguard's own threads (kvguard.tokens.counting); tokenizers' rayon pool would
+# split a batch of segments across more threads again, for more CPU and no gain (measured: 333 µs
+# of CPU against 247 µs for one chat's nine segments). It reads the variable at each call.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
@@ -142,9 +142,9 @@ class PoolTokenizer:
 
     def count(self, text: str, add_special_tokens: bool, stop_at: int | None = None) -> int:
         """Tokens in `text`: segments between added tokens that were counted before are not
-        tokenized again (kvguard.segments). Tokenizing releases the GIL. With `stop_at`, a
+        tokenized again (kvguard.tokens.segments). Tokenizing releases the GIL. With `stop_at`, a
         count of `stop_at` or more may be a lower bound: a long text is counted only until it
-        is known to reach it (kvguard.prefix_bound)."""
+        is known to reach it (kvguard.tokens.prefix_bound)."""
         return self.count_many([text], add_special_tokens, stop_at)[0]
 
     def count_many(
@@ -166,7 +166,7 @@ class PoolTokenizer:
 
     def reads_at_most(self, chars: int, stop_at: int | None) -> int:
         """About the most characters `count` tokenizes for a text of `chars` characters (or
-        bytes) with `stop_at` (kvguard.prefix_bound)."""
+        bytes) with `stop_at` (kvguard.tokens.prefix_bound)."""
         return self._bound.reads_at_most(chars, stop_at)
 
     def _template_for(self, tools: list[Any] | None) -> ChatTemplate:

@@ -1,6 +1,6 @@
 """Chat messages and tools normalised as vLLM's OpenAI server normalises them, before
 templating: vLLM's `parse_chat_messages` (vllm/entrypoints/chat_utils.py) and
-`ChatCompletionToolsParam`. The template arguments are merged in kvguard.chat_arguments.
+`ChatCompletionToolsParam`. The template arguments are merged in kvguard.tokens.chat_arguments.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from kvguard.chat_template import ContentFormat
+from kvguard.tokens.chat_template import ContentFormat
 
 
 class TokenizerError(ValueError):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-from kvguard.estimate import pool_limit
+from kvguard.admission.estimate import pool_limit
 
 
 @dataclass(frozen=True, slots=True)

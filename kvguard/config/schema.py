@@ -31,7 +31,7 @@ from pydantic import (
     model_validator,
 )
 
-from kvguard.redact import redact
+from kvguard.config.redact import redact
 
 PositiveInt = Annotated[int, Field(strict=True, gt=0)]
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvguard.estimate import pool_limit
+from kvguard.admission.estimate import pool_limit
+from kvguard.config.redact import redact
 from kvguard.ledger.redis_ledger import RedisLedger
-from kvguard.redact import redact
 
 
 @dataclass(frozen=True, slots=True)

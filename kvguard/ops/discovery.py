@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvguard.capacity import Capacities, PoolCapacity
-from kvguard.policy import Policy
-from kvguard.redact import redact
+from kvguard.admission.capacity import Capacities, PoolCapacity
+from kvguard.admission.policy import Policy
+from kvguard.config.redact import redact
 
 log = logging.getLogger(__name__)
 

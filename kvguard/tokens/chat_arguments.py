@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvguard.chat_messages import TokenizerError, lax_bool
+from kvguard.tokens.chat_messages import TokenizerError, lax_bool
 
 _REASONING_EFFORTS = frozenset({"none", "minimal", "low", "medium", "high", "xhigh", "max"})
 # apply_chat_template's own parameters: it consumes them, the template never sees them.

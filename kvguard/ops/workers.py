@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
-from kvguard import logs
+from kvguard.ops import logs
 
 log = logging.getLogger(__name__)
 

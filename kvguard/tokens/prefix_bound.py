@@ -33,7 +33,7 @@ from typing import Any
 
 from tokenizers import Encoding, Tokenizer, pre_tokenizers
 
-from kvguard.pretokens import component_state
+from kvguard.tokens.pretokens import component_state
 
 # Words ending this close to the cut may be cut differently in the whole text (a lookahead such
 # as Qwen's `\s+(?!\S)`, a contraction), before the length of the longest added token, which a
@@ -45,7 +45,7 @@ FIRST_LOOK_CHARS = 4 * 1024
 # A prefix is read this much longer than the rate seen so far says `stop_at` tokens need.
 SPARE = 1.25
 # Texts longer than twice look_chars(stop_at) are bounded, shorter ones counted whole. It is
-# also the size of the batches in which kvguard.segments counts many short segments.
+# also the size of the batches in which kvguard.tokens.segments counts many short segments.
 LOOK_CHARS_PER_TOKEN = 6
 MIN_LOOK_CHARS = 16 * 1024
 # Normalizers that leave ASCII text unchanged, and the most each can lengthen UTF-8 text
@@ -69,7 +69,7 @@ class PrefixBound:
     """How one tokenizer's long texts are counted until they are known to reach `stop_at`.
 
     `whole_texts`: the texts hold added tokens (they are not split into segments first, see
-    kvguard.segments); the length bound then applies only where no normalizer can join what
+    kvguard.tokens.segments); the length bound then applies only where no normalizer can join what
     lies on either side of an added token (none, or ASCII text) and no added token strips the
     text around it. Immutable, safe to share by threads.
     """

@@ -25,9 +25,9 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from prometheus_client import CollectorRegistry, start_http_server
 
 from kvguard import __version__
-from kvguard.admission import Decision
-from kvguard.config import ServerSettings
-from kvguard.metrics import Metrics
+from kvguard.admission.admit import Decision
+from kvguard.config.schema import ServerSettings
+from kvguard.ops.metrics import Metrics
 
 log = logging.getLogger("kvguard.decision")
 _PROPAGATOR = TraceContextTextMapPropagator()

@@ -24,8 +24,8 @@ from typing import Any, cast
 
 from tokenizers import Tokenizer
 
-from kvguard.prefix_bound import PrefixBound, look_chars, worth_bounding
-from kvguard.pretokens import PreTokenCounter, component_state
+from kvguard.tokens.prefix_bound import PrefixBound, look_chars, worth_bounding
+from kvguard.tokens.pretokens import PreTokenCounter, component_state
 
 # Normalizers and pre-tokenizers that act on each segment alone, whatever precedes it. Every
 # normalizer does; pre-tokenizers too, but Metaspace with prepend_scheme "first" (which
@@ -141,10 +141,10 @@ class SegmentCounter:
         """`total` plus the tokens of the `missing` segments, counted in text order, a batch of
         about look_chars(stop_at) characters at a time, until the sum reaches `stop_at`.
         A segment longer than that is bounded by its length or its prefixes
-        (kvguard.prefix_bound)."""
+        (kvguard.tokens.prefix_bound)."""
         look = look_chars(stop_at)
         repeats = Counter(missing)
-        # Their lengths alone may tell (kvguard.prefix_bound): then none is tokenized.
+        # Their lengths alone may tell (kvguard.tokens.prefix_bound): then none is tokenized.
         floor = total + sum(self.bound.floor(s) * n for s, n in repeats.items())
         if floor >= stop_at:
             return floor

@@ -11,10 +11,10 @@ from collections.abc import Callable
 
 import grpc
 
-from kvguard.capacity import Capacities
-from kvguard.leases import LeaseKeeper
+from kvguard.admission.capacity import Capacities
+from kvguard.admission.leases import LeaseKeeper
+from kvguard.admission.policy import Policy
 from kvguard.ledger import Ledger
-from kvguard.policy import Policy
 from kvguard.v1 import admin_pb2, admin_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,6 @@
+"""The admission decision, between the protocol and the ledger: no gRPC, no sockets.
+
+admit.py (from a request body to a lease or a refusal), policy.py (the immutable snapshot a
+request reads), estimate.py (output-token limits and KV blocks), capacity.py (each pool's
+usable blocks), leases.py (renewed while a response runs, released exactly once).
+"""
