@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvguard.admission.estimate import pool_limit
+from kvguard.admission.capacity import pool_limit
 from kvguard.config.redact import redact
 from kvguard.ledger.redis_ledger import RedisLedger
 

@@ -6,10 +6,15 @@ immutable policy snapshot; a decision reads it once.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-from kvguard.admission.estimate import pool_limit
+
+def pool_limit(capacity: int, watermark: float) -> int:
+    """The most blocks that may be reserved while free blocks stay >= watermark x capacity."""
+    # The epsilon keeps 100 x (1 - 0.15) = 84.99999999999999 from losing a block.
+    return math.floor(capacity * (1 - watermark) + 1e-9)
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,9 +61,3 @@ def clamp(
 def blocks_needed(prompt_tokens: list[int], max_tokens: int, n: int, block_size: int) -> int:
     """n sequences per prompt, each holding prompt + output tokens in whole blocks."""
     return n * sum(math.ceil((p + max_tokens) / block_size) for p in prompt_tokens)
-
-
-def pool_limit(capacity: int, watermark: float) -> int:
-    """The most blocks that may be reserved while free blocks stay >= watermark x capacity."""
-    # The epsilon keeps 100 x (1 - 0.15) = 84.99999999999999 from losing a block.
-    return math.floor(capacity * (1 - watermark) + 1e-9)

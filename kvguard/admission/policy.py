@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvguard.admission.capacity import PoolCapacity
-from kvguard.admission.estimate import blocks_needed, clamp, pool_limit
+from kvguard.admission.capacity import PoolCapacity, pool_limit
+from kvguard.admission.estimate import blocks_needed, clamp
 from kvguard.config.schema import Config, Pool, Tenancy, Tier
 from kvguard.errors import Code, Refusal
 from kvguard.tokens.tokenizer import PoolTokenizer

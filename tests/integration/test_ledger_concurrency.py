@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from kvguard.admission.estimate import pool_limit
+from kvguard.admission.capacity import pool_limit
 from kvguard.ledger import Claim, Outcome
 from kvguard.ledger.redis_ledger import RedisLedger
 from kvguard.testing.redis import RedisServer

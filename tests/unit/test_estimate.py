@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvguard.admission.estimate import blocks_needed, clamp, pool_limit
+from kvguard.admission.capacity import pool_limit
+from kvguard.admission.estimate import blocks_needed, clamp
 from kvguard.config.schema import Tier
 from kvguard.errors import Code, Refusal
 
