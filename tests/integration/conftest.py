@@ -4,8 +4,9 @@ as its ext_proc service (in this process, so the tests can read the ledger direc
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,3 +85,19 @@ async def gateway(
         await upstream.stop()
         await service.stop(0)
         await service.keeper.settle()
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[RecordingUpstream]:
+    server = RecordingUpstream()
+    await server.start()
+    yield server
+    await server.stop()
+
+
+@pytest.fixture
+def refusing_port() -> Iterator[int]:
+    """A loopback port bound but not listening: connections to it are refused."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]

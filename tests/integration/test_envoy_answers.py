@@ -11,8 +11,7 @@ import asyncio
 import contextlib
 import json
 import re
-import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -88,22 +87,6 @@ async def stand_in() -> AsyncIterator[int]:
     await server.start()
     yield port
     await server.stop(0)
-
-
-@pytest.fixture
-async def upstream() -> AsyncIterator[RecordingUpstream]:
-    server = RecordingUpstream()
-    await server.start()
-    yield server
-    await server.stop()
-
-
-@pytest.fixture
-def refusing_port() -> Iterator[int]:
-    """A loopback port bound but not listening: connections to it are refused."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        yield sock.getsockname()[1]
 
 
 async def post(

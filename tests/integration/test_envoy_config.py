@@ -4,8 +4,7 @@ the harness that runs it (EnvoyProcess, RecordingUpstream) works against a real 
 from __future__ import annotations
 
 import copy
-import socket
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,22 +38,6 @@ KVGUARD_MAX_BODY_BYTES = 8388608  # kvguard's default server.max_body_bytes
 def render(**ports: int) -> dict[str, Any]:
     defaults = {"listen_port": 0, "admin_port": 0, "kvguard_port": 50051, "upstream_port": 8000}
     return render_envoy_config(SHIPPED_CONFIG, **(defaults | ports))
-
-
-@pytest.fixture
-async def upstream() -> AsyncIterator[RecordingUpstream]:
-    server = RecordingUpstream()
-    await server.start()
-    yield server
-    await server.stop()
-
-
-@pytest.fixture
-def refusing_port() -> Iterator[int]:
-    """A loopback port bound but not listening: connections to it are refused."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        yield sock.getsockname()[1]
 
 
 def test_envoy_accepts_the_shipped_config() -> None:
