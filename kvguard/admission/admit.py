@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from kvguard.admission.capacity import Capacities
 from kvguard.admission.estimate import blocks_needed, clamp
 from kvguard.admission.policy import Identity, Policy
+from kvguard.admission.record import Decision
 from kvguard.errors import Code, Refusal
 from kvguard.ledger import Claim, Lease, Ledger, LedgerUnavailable, Outcome
 from kvguard.tokens.counting import PromptCounter
@@ -49,49 +50,6 @@ class Admitted:
     # word, not headers a client could send) and its route turns `max_tokens` into
     # x-kvguard-max-tokens.
     metadata: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
-class Decision:
-    """What one request's decision found out, filled in as it goes: metrics, the span and the
-    log line are made from it. Never holds prompt text."""
-
-    request_id: str = ""
-    tenant: str = ""
-    tier: str = ""
-    pool: str = ""
-    prompt_tokens: int | None = None
-    blocks: int | None = None
-    requested_max_tokens: int | None = None  # the client's limit; None when it sent none
-    max_tokens: int | None = None  # the limit vLLM applies (clamped or injected)
-    outcome: str = "refused"  # admitted | refused | shadow_refused | cancelled
-    reason: str = ""  # the refusal code; "" when admitted or cancelled
-
-    def refused(self, code: Code) -> None:
-        self.outcome, self.reason = "refused", code.value
-
-    def cancelled(self) -> None:
-        """The stream ended before its answer went out (the client left, or Envoy timed out)."""
-        self.outcome, self.reason = "cancelled", ""
-
-    def attributes(self) -> dict[str, str | int]:
-        out: dict[str, str | int] = {
-            "request_id": self.request_id,
-            "tenant": self.tenant,
-            "tier": self.tier,
-            "pool": self.pool,
-            "outcome": self.outcome,
-            "reason": self.reason,
-        }
-        if self.prompt_tokens is not None:
-            out["prompt_tokens"] = self.prompt_tokens
-        if self.blocks is not None:
-            out["blocks"] = self.blocks
-        if self.requested_max_tokens is not None:
-            out["requested_max_tokens"] = self.requested_max_tokens
-        if self.max_tokens is not None:
-            out["max_tokens"] = self.max_tokens
-        return out
 
 
 @dataclass(frozen=True, slots=True)

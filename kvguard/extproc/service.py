@@ -22,9 +22,10 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
     ProcessingResponse,
 )
 
-from kvguard.admission.admit import Admission, Admitted, Decision
+from kvguard.admission.admit import Admission, Admitted
 from kvguard.admission.leases import LeaseKeeper
 from kvguard.admission.policy import Identity, Policy, identify_request
+from kvguard.admission.record import Decision
 from kvguard.errors import Code, Refusal, invalid
 from kvguard.extproc import responses
 from kvguard.ledger import Lease

@@ -25,7 +25,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from prometheus_client import CollectorRegistry, start_http_server
 
 from kvguard import __version__
-from kvguard.admission.admit import Decision
+from kvguard.admission.record import Decision
 from kvguard.config.schema import ServerSettings
 from kvguard.ops.metrics import Metrics
 
