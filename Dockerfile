@@ -18,7 +18,7 @@ FROM ${PYTHON_IMAGE} AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 WORKDIR /src
 
-# Build tools (grpcio-tools to generate kvguard/v1 from proto/, setuptools to build the wheel),
+# Build tools (grpcio-tools, with which setup.py generates kvguard/v1 from proto/; setuptools),
 # taken hash-pinned from the dev lock into a venv of their own that the image does not keep.
 COPY requirements-dev.lock ./
 # (awk keeps the lock's entries for these packages: the pin line and its --hash lines.)
@@ -37,14 +37,14 @@ RUN python -m venv /opt/kvguard \
     && /opt/kvguard/bin/pip install --no-cache-dir --require-hashes -r requirements.lock \
     && /opt/kvguard/bin/python tools/reinstall_from_lock.py requirements.lock opentelemetry-proto
 
-# kvguard itself: generate its gRPC API from proto/ (the generated files are not committed),
-# build the wheel, install it without dependencies (they came from the lock above).
-COPY pyproject.toml README.md ./
+# kvguard itself: build the wheel (setup.py generates the gRPC API from proto/ as it builds, and
+# envoy/envoy.yaml goes in as the demo's package data), install it without dependencies (they
+# came from the lock above).
+COPY pyproject.toml setup.py MANIFEST.in README.md ./
 COPY proto ./proto
+COPY envoy/envoy.yaml ./envoy/
 COPY kvguard ./kvguard
-RUN /opt/build-tools/bin/python -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. \
-        --grpc_python_out=. proto/kvguard/v1/admin.proto \
-    && /opt/build-tools/bin/pip wheel --no-cache-dir --no-deps --no-build-isolation -w /wheels . \
+RUN /opt/build-tools/bin/pip wheel --no-cache-dir --no-deps --no-build-isolation -w /wheels . \
     && /opt/kvguard/bin/pip install --no-cache-dir --no-deps /wheels/kvguard-*.whl \
     && /opt/kvguard/bin/python -m compileall -q /opt/kvguard/lib \
     && /opt/kvguard/bin/pip uninstall --yes pip setuptools
@@ -52,8 +52,8 @@ RUN /opt/build-tools/bin/python -m grpc_tools.protoc -Iproto --python_out=. --py
 # --- runtime: the venv alone, as a non-root user -----------------------------------------------
 FROM ${PYTHON_IMAGE}
 # jemalloc in place of glibc's malloc: the tokenizers' Rust code allocates for every prompt it
-# counts, and with glibc's allocator that was about a third of kvguard's CPU on 1k-token
-# prompts (bench/bench_overhead.py: 1.8 -> 1.3 ms of CPU per admission).
+# counts, and glibc's allocator makes that a large share of kvguard's CPU on long prompts
+# (bench/bench_overhead.py measures it).
 RUN apt-get update \
     && apt-get install -y --no-install-recommends libjemalloc2=5.3.0-1 \
     && rm -rf /var/lib/apt/lists/* \

@@ -91,7 +91,8 @@ from kvguard.tokens.request import load_json  # noqa: E402
 from kvguard.tokens.tokenizer import PoolTokenizer  # noqa: E402
 
 TOKENIZER = ROOT / ".cache" / "models" / "qwen"
-WORDS = (ROOT / "README.md").read_text().split()
+# Prompt vocabulary: the words of the docs, so that prompts differ from each other.
+WORDS = " ".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))).split()
 TICKS = os.sysconf("SC_CLK_TCK")
 JEMALLOC = ctypes.util.find_library("jemalloc")
 CONCURRENCY = 16

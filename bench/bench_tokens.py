@@ -51,9 +51,9 @@ from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue  # noqa: E402
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb  # noqa: E402
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc  # noqa: E402
 
+from kvguard import config as configs  # noqa: E402
 from kvguard.admission.record import Decision  # noqa: E402
 from kvguard.app import Service  # noqa: E402
-from kvguard.config import schema as configs  # noqa: E402
 from kvguard.errors import Refusal  # noqa: E402
 from kvguard.tokens import counting  # noqa: E402
 from kvguard.tokens.counting import count_prompts  # noqa: E402

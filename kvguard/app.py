@@ -8,12 +8,12 @@ import logging
 import signal
 from pathlib import Path
 
+from kvguard import config as configs
 from kvguard.admin.service import AdminService
 from kvguard.admission import policy as policies
 from kvguard.admission.admit import Admission, AdmissionSettings
 from kvguard.admission.capacity import Capacities
 from kvguard.admission.leases import LeaseKeeper
-from kvguard.config import schema as configs
 from kvguard.config.reload import PolicyWatcher
 from kvguard.config.schema import Config
 from kvguard.extproc.server import GrpcServer
@@ -24,14 +24,14 @@ from kvguard.ops import telemetry
 from kvguard.ops.discovery import Discovery
 from kvguard.ops.health import Health
 from kvguard.ops.metrics import Metrics
-from kvguard.ops.tasks import cancel_and_wait
+from kvguard.tasks import cancel_and_wait
 from kvguard.tokens.counting import PromptCounter
 
 log = logging.getLogger(__name__)
 
 # Envoy may buffer up to its own limit, above max_body_bytes, so that kvguard answers 413.
 MIN_GRPC_MESSAGE_BYTES = 64 * 1024 * 1024
-# A policy change applies within this (DESIGN.md promises 5 s).
+# A policy change applies within this (docs/operations.md, "Hot reload").
 RELOAD_INTERVAL_S = 1.0
 # On drain, how long readiness reads NOT_SERVING before new streams are refused (Envoy's health
 # check interval in envoy/envoy.yaml is 1 s).
@@ -103,14 +103,13 @@ class Service:
         processor = ExternalProcessor(
             lambda: self.policy, self.admission, self.keeper, self.telemetry
         )
+        admin = AdminService(lambda: self.policy, self.ledger, self.capacities, self.keeper)
         self.grpc = GrpcServer(
             config.server.grpc_listen,
             processor,
             self.health,
             max(MIN_GRPC_MESSAGE_BYTES, 2 * config.server.max_body_bytes),
-            AdminService(lambda: self.policy, self.ledger, self.capacities, self.keeper)
-            if config.server.admin
-            else None,
+            [admin.add_to] if config.server.admin else [],
             reuse_port=config.server.workers > 1,
         )
 
@@ -166,7 +165,7 @@ class Service:
             await cancel_and_wait(self._tasks)
             await self.keeper.release_all()
             if cut is not None:  # None: the server's stop failed (its error goes up)
-                # Their clients see the response end unfinished (README: "Health, drain, reload").
+                # Their clients see the response end unfinished (docs/operations.md, "Drain").
                 self.metrics.record_drain_cut(cut)
                 log.log(
                     logging.WARNING if cut else logging.INFO,
@@ -211,7 +210,7 @@ class Service:
 
 def allocator() -> str:
     """'jemalloc' when it was preloaded (the image does: counting tokens allocates a lot, and
-    counting took 35-50 % more CPU under glibc's malloc), else 'system'."""
+    takes markedly more CPU under glibc's malloc), else 'system'."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
@@ -225,8 +224,8 @@ async def serve(config: Config, config_path: Path) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     service = Service(config, config_path=config_path)
-    # What is loaded by now (modules, tokenizers, templates: ~80k objects) lives as long as the
-    # process. Out of the collector's sight, a full collection takes ~0 ms instead of ~40 ms
-    # that every request in flight would wait for.
+    # What is loaded by now (modules, tokenizers, templates) lives as long as the process. Out
+    # of the collector's sight, it adds nothing to the full collections that every request in
+    # flight waits for.
     gc.freeze()
     await service.run(stop)

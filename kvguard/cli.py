@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from kvguard import __version__
-from kvguard.config import schema as configs
+from kvguard import config as configs
 from kvguard.ops import logs
 
 log = logging.getLogger(__name__)

@@ -1,8 +1,8 @@
 """The refusals kvguard answers with: one stable code each, with its HTTP status and error type.
 
-The codes are public (clients and dashboards key on them); DESIGN.md's status table lists them.
-Statuses and types follow OpenAI's API, so that its SDKs raise the error class they raise for
-OpenAI's own answers; kvguard's reason is the `code`.
+The codes are public (clients and dashboards key on them); docs/design.md lists them under
+"Status codes". Statuses and types follow OpenAI's API, so that its SDKs raise the error class
+they raise for OpenAI's own answers; kvguard's reason is the `code`.
 """
 
 from __future__ import annotations

@@ -33,6 +33,10 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         self._capacities = capacities
         self._keeper = keeper
 
+    def add_to(self, server: grpc.aio.Server) -> None:
+        """Serve this API on `server` (beside ext_proc, on the same port)."""
+        admin_pb2_grpc.add_AdminServiceServicer_to_server(self, server)  # type: ignore[no-untyped-call]
+
     async def GetUsage(
         self, request: admin_pb2.GetUsageRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.GetUsageResponse:

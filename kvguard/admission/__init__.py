@@ -1,6 +1,8 @@
 """The admission decision, between the protocol and the ledger: no gRPC, no sockets.
 
-admit.py (from a request body to a lease or a refusal), policy.py (the immutable snapshot a
-request reads), estimate.py (output-token limits and KV blocks), capacity.py (each pool's
-usable blocks), leases.py (renewed while a response runs, released exactly once).
+decide.py (the decision itself, pure: a counted request in, a claim or a refusal out), admit.py
+(from a request body to a lease or a refusal: parse, count, decide, reserve), policy.py (the
+immutable snapshot a request reads), estimate.py (output-token limits and KV blocks),
+capacity.py (each pool's usable blocks), leases.py (renewed while a response runs, released
+exactly once), record.py (what one decision found, for telemetry).
 """

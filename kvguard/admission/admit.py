@@ -1,7 +1,8 @@
-"""The admission decision: from a request body to a lease or a refusal. No gRPC, no sockets.
+"""Admission as it runs: from a request body to a lease or a refusal. No gRPC, no sockets.
 
-Steps (DESIGN.md, "The request path"): parse; find the pool by model; count the prompt tokens;
-clamp or inject the output limit; turn prompt + output into blocks; reserve in the ledger.
+Steps (DESIGN.md, "The request path"): parse; find the pool by model; count the prompt tokens
+(the injected counter); size the request and build its claim (`decide`, pure); reserve it in
+the injected ledger; build the answer.
 """
 
 from __future__ import annotations
@@ -10,29 +11,24 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
+from kvguard.admission import decide
 from kvguard.admission.capacity import Capacities
-from kvguard.admission.estimate import blocks_needed, clamp
+from kvguard.admission.decide import RETRY_AFTER_S, SHADOWABLE
 from kvguard.admission.policy import Identity, Policy
 from kvguard.admission.record import Decision
 from kvguard.errors import Code, Refusal
-from kvguard.ledger import Claim, Lease, Ledger, LedgerUnavailable, Outcome
+from kvguard.ledger import Claim, Lease, Ledger, LedgerUnavailable
 from kvguard.tokens.counting import PromptCounter
 from kvguard.tokens.request import Kind, parse
 
-# Seconds a 429 asks the client to wait. A constant for now: leases end when responses do,
-# which kvguard cannot foresee.
-RETRY_AFTER_S = 1
-
-# Refusals that shadow mode lets pass: capacity and availability, never malformed input.
-SHADOWABLE = frozenset(
-    {
-        Code.TENANT_BLOCK_QUOTA_EXCEEDED,
-        Code.KV_CACHE_WATERMARK_EXCEEDED,
-        Code.REQUEST_EXCEEDS_CAPACITY,
-        Code.CAPACITY_UNKNOWN,
-        Code.LEDGER_UNAVAILABLE,
-    }
-)
+__all__ = [
+    "RETRY_AFTER_S",
+    "SHADOWABLE",
+    "Admission",
+    "AdmissionSettings",
+    "Admitted",
+    "reserve",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +82,7 @@ class Admission:
             admitted = await self._decide(policy, kind, identity, raw, decision)
         except Refusal as refusal:
             decision.refused(refusal.code)
-            if not policy.shadow or refusal.code not in SHADOWABLE:
+            if not decide.passes_in_shadow(policy.shadow, refusal.code):
                 raise
             decision.outcome = "shadow_refused"
             would_refuse = {"x-kvguard-would-refuse": refusal.code.value}
@@ -114,13 +110,7 @@ class Admission:
                 Code.MODEL_NOT_FOUND, f"the model {request.model!r} is not served here", "model"
             )
         decision.pool = pool.name
-        capacity = self.capacities.get(pool.name)
-        if capacity is None:
-            raise Refusal(
-                Code.CAPACITY_UNKNOWN,
-                f"the KV-cache capacity of pool {pool.name!r} is not known yet",
-                retry_after_s=RETRY_AFTER_S,
-            )
+        capacity = decide.capacity_known(pool.name, self.capacities.get(pool.name))
         prompt_tokens = await self.counter.count(
             pool.tokenizer,
             request,
@@ -129,40 +119,17 @@ class Admission:
             max_model_len=pool.config.max_model_len,
         )
         prompt_total = decision.prompt_tokens = sum(prompt_tokens)
-        limits = clamp(
-            kind,
-            request.limits,
-            identity.tier,
-            pool.config.max_model_len,
-            max(prompt_tokens),
-            request.min_tokens,
-        )
+        counted = decide.Counted(kind, request.limits, prompt_tokens, request.min_tokens, request.n)
+        plan = decide.plan(counted, pool.config, identity.tenant, identity.tier, capacity)
+        limits = plan.limits
         decision.requested_max_tokens, decision.max_tokens = limits.requested, limits.max_tokens
-        blocks = blocks_needed(prompt_tokens, limits.max_tokens, request.n, capacity.block_size)
-        decision.blocks = blocks
-        quota = identity.tier.max_blocks
-        pool_limit = capacity.limit(pool.config.watermark)
-        if blocks > quota or blocks > pool_limit:
-            raise Refusal(
-                Code.REQUEST_EXCEEDS_CAPACITY,
-                f"the request needs {blocks} KV-cache blocks, more than this tenant's quota "
-                f"({quota}) or the pool's admissible capacity ({pool_limit}) allows; "
-                "lower max_tokens, n or the prompt length",
-            )
-        claim = Claim(
-            uuid.uuid4().hex,
-            pool.name,
-            identity.tenant,
-            blocks,
-            pool_limit,
-            quota,
-            self.settings.lease_seconds,
-        )
+        decision.blocks = plan.blocks
+        claim = decide.claim(plan, uuid.uuid4().hex, self.settings.lease_seconds)
         body = None  # built before the reserve: nothing may fail between it and the answer
         if limits.fields != request.limits:
             body = json.dumps({**request.body, **limits.fields}, ensure_ascii=False).encode()
-        lease = await self._reserve(claim, quota)
-        metadata = {"blocks": str(blocks), "prompt_tokens": str(prompt_total)}
+        lease = await self._reserve(claim)
+        metadata = {"blocks": str(plan.blocks), "prompt_tokens": str(prompt_total)}
         headers = {
             "x-kvguard-blocks": metadata["blocks"],
             "x-kvguard-prompt-tokens": metadata["prompt_tokens"],
@@ -173,32 +140,26 @@ class Admission:
             metadata["tenant"] = identity.tenant
         if policy.tenancy.expose_limit_header:
             metadata["max_tokens"] = str(limits.max_tokens)
-        return Admitted(pool.name, lease, body, headers, prompt_total, blocks, metadata=metadata)
+        return Admitted(
+            pool.name, lease, body, headers, prompt_total, plan.blocks, metadata=metadata
+        )
 
-    async def _reserve(self, claim: Claim, quota: int) -> Lease | None:
+    async def _reserve(self, claim: Claim) -> Lease | None:
         """The lease, or None when the ledger is unreachable and `on_unavailable` is allow."""
         try:
-            reservation = await self.ledger.reserve(claim)
+            return await reserve(self.ledger, claim)
         except LedgerUnavailable:
             if self.settings.on_unavailable == "allow":
                 return None
-            raise Refusal(
-                Code.LEDGER_UNAVAILABLE,
-                "the admission ledger cannot be reached; retry later",
-                retry_after_s=RETRY_AFTER_S,
-            ) from None
-        if reservation.outcome is Outcome.TENANT_QUOTA:
-            raise Refusal(
-                Code.TENANT_BLOCK_QUOTA_EXCEEDED,
-                f"tenant quota of {quota} KV-cache blocks in pool {claim.pool!r} is in "
-                "use by this tenant's requests in flight; retry later",
-                retry_after_s=RETRY_AFTER_S,
-            )
-        if reservation.outcome is Outcome.POOL_WATERMARK:
-            raise Refusal(
-                Code.KV_CACHE_WATERMARK_EXCEEDED,
-                f"the KV cache of pool {claim.pool!r} is full; retry later",
-                retry_after_s=RETRY_AFTER_S,
-            )
-        assert reservation.lease is not None
-        return reservation.lease
+            raise decide.unavailable() from None
+
+
+async def reserve(ledger: Ledger, claim: Claim) -> Lease:
+    """Reserve `claim` in `ledger`: its lease, or the Refusal the ledger's answer means.
+    LedgerUnavailable goes to the caller, whose setting says what it means."""
+    reservation = await ledger.reserve(claim)
+    refused = decide.refusal(reservation.outcome, claim)
+    if refused is not None:
+        raise refused
+    assert reservation.lease is not None
+    return reservation.lease

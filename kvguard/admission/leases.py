@@ -7,6 +7,9 @@ import logging
 
 from kvguard.ledger import Lease, Ledger
 
+# Lease goes with the keeper: callers hold leases without importing the ledger.
+__all__ = ["Lease", "LeaseKeeper"]
+
 log = logging.getLogger(__name__)
 
 

@@ -46,10 +46,16 @@ class Policy:
 
     def identify(self, tenant: str) -> Identity | None:
         """The tenant's tier; None when the tenant is unknown and there is no default tier."""
-        tier_name = self.tenancy.tier_of(tenant)
-        if tier_name is None:
-            return None
-        return Identity(tenant, tier_name, self.tenancy.tiers[tier_name])
+        return identify(self.tenancy, tenant)
+
+
+def identify(tenancy: Tenancy, tenant: str) -> Identity | None:
+    """The tenant's tier in `tenancy`; None when the tenant is unknown and there is no default
+    tier."""
+    tier_name = tenancy.tier_of(tenant)
+    if tier_name is None:
+        return None
+    return Identity(tenant, tier_name, tenancy.tiers[tier_name])
 
 
 def identify_request(policy: Policy, headers: Mapping[str, str]) -> Identity:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from kvguard.config import schema as configs
+from kvguard.config.loading import ConfigError
 
 T = TypeVar("T")
 
@@ -67,7 +67,7 @@ class PolicyWatcher(Generic[T]):
         try:
             # Off the loop: a new pool's tokenizer takes a while to load.
             loaded = await asyncio.to_thread(self._load, self._path)
-        except configs.ConfigError as exc:
+        except ConfigError as exc:
             self._reject(str(exc))
         except (OSError, ValueError) as exc:
             self._reject(f"{self._path}: {exc}")

@@ -37,8 +37,8 @@ PASS_THROUGH_MODE = ProcessingMode(
 def _mutate(
     mutation: HeaderMutation, set_headers: dict[str, str], remove: Iterable[str] = ()
 ) -> None:
-    """Fill `mutation` in place: building a body's answer this way took 6 µs of CPU against
-    14 µs from nested constructors (three headers, measured on a slow day)."""
+    """Fill `mutation` in place: it takes less CPU than building the answer from nested
+    constructors, and every admitted body's answer is built here."""
     for key, value in set_headers.items():
         option = mutation.set_headers.add(append_action=_OVERWRITE)
         option.header.key = key

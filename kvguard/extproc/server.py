@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Iterable
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from kvguard.admin.service import AdminService
 from kvguard.extproc.service import ExternalProcessor
 from kvguard.ops.health import Health
-from kvguard.v1 import admin_pb2_grpc
 
 # Health service names: "" and the ext_proc service mean "ready to admit"; "liveness" means
 # "the process serves at all", so an outage never restart-loops kvguard.
@@ -27,6 +26,9 @@ CUT_MARGIN_S = 5.0
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
+# Adds one more gRPC service to the server (the composition root passes the admin API).
+AddService = Callable[[grpc.aio.Server], None]
+
 
 class GrpcServer:
     def __init__(
@@ -35,7 +37,7 @@ class GrpcServer:
         processor: ExternalProcessor,
         health: Health,
         max_message_bytes: int,
-        admin: AdminService | None = None,
+        services: Iterable[AddService] = (),
         *,
         reuse_port: bool = False,
     ) -> None:
@@ -49,8 +51,8 @@ class GrpcServer:
         )
         self._processor = processor
         ext_proc_grpc.add_ExternalProcessorServicer_to_server(processor, self._server)
-        if admin is not None:
-            admin_pb2_grpc.add_AdminServiceServicer_to_server(admin, self._server)  # type: ignore[no-untyped-call]
+        for add in services:
+            add(self._server)
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         try:

@@ -149,7 +149,7 @@ class RedisLedger:
     Releases are coalesced per pool: a release goes out at once when none of that pool is in
     flight, and otherwise joins the next call, which carries every release that queued up
     meanwhile. No release waits for more than one round trip, and under load one command
-    carries many (redis-py spends ~80 µs of CPU per command, whatever it carries).
+    carries many (redis-py's CPU cost is per command, whatever the command carries).
     """
 
     def __init__(

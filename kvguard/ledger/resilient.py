@@ -42,7 +42,7 @@ from kvguard.ledger import (
 )
 from kvguard.ledger.memory import MemoryLedger
 from kvguard.ledger.redis_ledger import RedisLedger
-from kvguard.ops.tasks import cancel_and_wait
+from kvguard.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 

@@ -1,12 +1,10 @@
 """Where gRPC's core does its I/O: set before grpc is first imported in a serving process.
 
-Since grpcio 1.80, Python's gRPC reads and writes sockets on EventEngine threads, which hand
-every message to the thread that polls the completion queue, which wakes the event loop. On the
-one CPU a sidecar has, each handoff is a context switch. With these two EventEngine experiments
-off, the polling thread does the I/O itself, as grpcio did before 1.80. Measured through Envoy
-at capacity, 1k-token requests of new text: context switches per request 30.8 -> 20.7, the
-kernel's share of kvguard's CPU 32 % -> 25 %, kvguard's CPU per request ~5 % less (~7 % for
-100-token requests; docs/overhead.md).
+By default (grpcio 1.80 and later) Python's gRPC reads and writes sockets on EventEngine threads,
+which hand every message to the thread that polls the completion queue, which wakes the event
+loop. On the one CPU a sidecar has, each handoff is a context switch. With these two EventEngine
+experiments off, the polling thread does the I/O itself: fewer context switches and less kernel
+time per request (bench/bench_overhead.py measures kvguard's CPU per request).
 
 The experiments exist until gRPC removes them; tests/integration/test_grpc_io.py checks that
 the pinned grpcio still honours them. A GRPC_EXPERIMENTS already in the environment wins.

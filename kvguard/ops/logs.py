@@ -3,13 +3,11 @@ there is one. Prompt text and credentials are never logged: decision lines carry
 
 A record is formatted on the caller's thread and its line queued; a thread of its own writes
 the queue, never the caller: a stderr that blocks (a full pipe to the container runtime, a disk
-stalled in writeback) must not stop the event loop that answers Envoy. A write that stalled ~6 s
-did exactly that once: every decision waited, and Envoy answered 504. The writer wakes every
-FLUSH_INTERVAL_S (or when a burst fills half the queue) and writes what is queued at once: a
-wake-up per line, a context switch and a handoff of the GIL each, cost ~0.05 ms of CPU per
-decision at ~1,500 decisions/s through Envoy (0.672 -> 0.624 ms per 100-token request). At most
-MAX_QUEUED_RECORDS lines wait; past that lines are dropped, and a warning says how many once
-there is room again.
+stalled in writeback) must not stop the event loop that answers Envoy, or every decision waits
+and Envoy answers 504. The writer wakes every FLUSH_INTERVAL_S (or when a burst fills half the
+queue) and writes what is queued at once, not a wake-up per line: each is a context switch and
+a handoff of the GIL on the decision path. At most MAX_QUEUED_RECORDS lines wait; past that
+lines are dropped, and a warning says how many once there is room again.
 """
 
 from __future__ import annotations
@@ -125,7 +123,7 @@ def configure(level: str = "info", *, json: bool = True) -> None:
             rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
         )
     # What no line shows is not gathered (the logging HOWTO's "Optimization"): the caller's
-    # frame, thread and process, ~1.7 µs of a decision line's ~12.
+    # frame, thread and process, a good part of the cost of each decision line.
     logging._srcfile = None
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     stop()

@@ -3,8 +3,9 @@
 Handlers never touch OpenTelemetry types. The MeterProvider is an argument, so tests read exact
 values with the SDK's in-memory reader. Prometheus names (a contract: dashboards use them):
 
-    kvguard_admissions_total{pool,tier,outcome,reason}   outcome: admitted|refused|shadow_refused|
-                                                         cancelled
+    kvguard_admissions_total{pool,tier,outcome,reason}   one per guarded request, where
+        outcome: admitted | refused | shadow_refused | cancelled (OUTCOMES)
+        reason: the refusal code; "" when admitted or cancelled
     kvguard_decision_duration_seconds                    histogram, one per guarded request
     kvguard_prompt_tokens                                histogram, admitted requests
     kvguard_reserved_blocks{pool}                        the ledger's shared view
@@ -27,6 +28,10 @@ from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
 DECISION_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 PROMPT_BUCKETS = (16, 64, 256, 1024, 4096, 8192, 16384, 32768, 65536, 131072)
 OTHER_TENANTS = "other"
+# kvguard_admissions_total's outcome label, admission.record.Decision.outcome: admitted; refused
+# (kvguard answered with an error); shadow_refused (shadow mode: it would refuse, and let the
+# request through); cancelled (the stream ended before the answer went out).
+OUTCOMES = ("admitted", "refused", "shadow_refused", "cancelled")
 
 
 @dataclass

@@ -5,5 +5,6 @@ pool and its prefix cache); server.py (an OpenAI-compatible HTTP front in real t
 vLLM's /metrics) with prompts.py and metrics.py; replay.py (a trace in simulated time, with
 kvguard's admission rules from gate.py), trace.py, report.py, plot.py and simulate.py
 (`kvguard simulate`); load.py (the load generator of the demo and the fidelity benchmark);
-demo.py (`kvguard demo`).
+demo.py (`kvguard demo`) with envoy.py (a real Envoy running the shipped envoy.yaml: the
+demo's gateway).
 """

@@ -28,17 +28,18 @@ from typing import Any
 
 import yaml
 
+from kvguard import config as configs
 from kvguard.admission.capacity import PoolCapacity
 from kvguard.app import Service
-from kvguard.config import schema as configs
 from kvguard.sim.engine import EngineConfig, StepCost
+from kvguard.sim.envoy import EnvoyProcess, loopback_config
 from kvguard.sim.load import Answer, Planned, send_all
 from kvguard.sim.report import percentile
 from kvguard.sim.server import SimServer
-from kvguard.testing.envoy import EnvoyProcess, loopback_config
 
-ROOT = Path(__file__).resolve().parents[2]
-TOKENIZER = ROOT / ".cache" / "models" / "qwen"
+# Where `make demo` (tools/fetch_tokenizers.py) puts the model's tokenizer files: relative to
+# the working directory, the root of a checkout.
+TOKENIZER = Path(".cache", "models", "qwen")
 MODEL = "qwen2.5-7b-instruct"
 ENGINE = EngineConfig(
     num_gpu_blocks=513,  # 512 usable
@@ -52,7 +53,7 @@ NATURAL_TOKENS = (40, 120)  # where a request without ignore_eos ends
 TIERS = {"acme": "pro", "hobbyist": "free"}
 
 
-def demo_config(sim_url: str) -> dict[str, Any]:
+def demo_config(sim_url: str, tokenizer: Path) -> dict[str, Any]:
     return {
         "server": {"grpc_listen": "127.0.0.1:0", "metrics_listen": ""},
         "ledger": {"url": "memory://", "lease_seconds": 120},
@@ -69,7 +70,7 @@ def demo_config(sim_url: str) -> dict[str, Any]:
             {
                 "name": "qwen",
                 "models": [MODEL],
-                "tokenizer": str(TOKENIZER),
+                "tokenizer": str(tokenizer),
                 "max_model_len": ENGINE.max_model_len,
                 "watermark": 0.15,
                 "capacity": {"endpoints": [sim_url], "refresh_seconds": 1},
@@ -153,7 +154,7 @@ async def _guarded(burst: list[Planned], workdir: Path) -> tuple[list[Answer], S
     sim = SimServer(ENGINE, model=MODEL, natural_tokens=NATURAL_TOKENS)
     await sim.start()
     path = workdir / "kvguard.yaml"
-    path.write_text(yaml.safe_dump(demo_config(sim.url), sort_keys=False))
+    path.write_text(yaml.safe_dump(demo_config(sim.url, TOKENIZER.resolve()), sort_keys=False))
     service = Service(configs.load(path, environ={}))
     await service.start()
     rendered = loopback_config(service.grpc.port, sim.port)
@@ -270,7 +271,10 @@ async def _run(requests_per_tenant: int) -> int:
 
 def run_demo(requests_per_tenant: int = 16) -> int:
     if not (TOKENIZER / "tokenizer.json").is_file():
-        print(f"missing {TOKENIZER}: run `make demo` (it fetches the tokenizer files)")
+        print(
+            f"missing {TOKENIZER.resolve()}: run `make demo` in a kvguard checkout "
+            "(it fetches the tokenizer files)"
+        )
         return 1
     import uvloop
 

@@ -1,10 +1,10 @@
 """kvguard's admission rules in simulated time, for trace replay (no gRPC, no tokenizer).
 
-A trace carries token counts, so counting is not simulated: the rest is kvguard's own code.
-The tenant's tier comes from `tenancy`; `estimate.clamp` lowers the requested output to the
-tier cap (and the room left by max_model_len); `estimate.blocks_needed` turns prompt + output
-into blocks; the memory ledger, on the simulation's clock, checks the tenant quota and the
-pool watermark and holds the lease until the request ends. kvguard renews the lease of an open
+A trace carries token counts, so counting is not simulated: the rest is the decision `serve`
+makes. The tenant's tier comes from `tenancy`; `admission.decide` sizes the request (the tier
+cap and the room left by max_model_len clamp its output; prompt + output become blocks) and
+builds its claim; `admission.admit.reserve` asks the memory ledger, on the simulation's clock,
+and turns its answer into a refusal the way `serve` does. kvguard renews the lease of an open
 stream, so a lease here lasts as long as its request, however long it queues.
 """
 
@@ -14,19 +14,17 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvguard.admission import decide
+from kvguard.admission.admit import reserve
 from kvguard.admission.capacity import PoolCapacity
-from kvguard.admission.estimate import blocks_needed, clamp
+from kvguard.admission.leases import Lease
+from kvguard.admission.policy import identify
 from kvguard.config.schema import Config
 from kvguard.errors import Code, Refusal
-from kvguard.ledger import Claim, Lease, Outcome
 from kvguard.ledger.memory import MemoryLedger
 from kvguard.sim.trace import TraceRequest
 
 _FOREVER_S = 1e15  # leases of open requests are renewed: they never expire in the replay
-_REFUSALS = {
-    Outcome.TENANT_QUOTA: Code.TENANT_BLOCK_QUOTA_EXCEEDED,
-    Outcome.POOL_WATERMARK: Code.KV_CACHE_WATERMARK_EXCEEDED,
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,48 +43,33 @@ class PolicyGate:
         self.tenancy = config.tenancy
         self.pool = config.pools[0]
         self.capacity = capacity
-        self.limit = capacity.limit(self.pool.watermark)
         self.ledger = MemoryLedger(clock=clock)
         self._ids = itertools.count()
 
     def tier_of(self, tenant: str) -> str:
         return self.tenancy.tier_of(tenant) or ""
 
-    async def admit(self, request: TraceRequest) -> Verdict:
-        tier_name = self.tenancy.tier_of(request.tenant)
-        if tier_name is None:
+    async def admit(self, request: TraceRequest, *, sends_max_tokens: bool = True) -> Verdict:
+        """Decide `request`, a completion of its prompt that sends its trace output as
+        max_tokens (without it, when `sends_max_tokens` is False: kvguard injects the tier's
+        default)."""
+        identity = identify(self.tenancy, request.tenant)
+        if identity is None:
             return Verdict("", request.output_tokens, refused=Code.UNKNOWN_TENANT.value)
-        tier = self.tenancy.tiers[tier_name]
+        sent = {"max_tokens": request.output_tokens} if sends_max_tokens else {}
+        counted = decide.Counted("completion", sent, [request.prompt_tokens])
         try:
-            limits = clamp(
-                "completion",
-                {"max_tokens": request.output_tokens},
-                tier,
-                self.pool.max_model_len,
-                request.prompt_tokens,
-            )
+            plan = decide.plan(counted, self.pool, identity.tenant, identity.tier, self.capacity)
         except Refusal as refusal:
-            return Verdict(tier_name, request.output_tokens, refused=refusal.code.value)
-        blocks = blocks_needed(
-            [request.prompt_tokens], limits.max_tokens, 1, self.capacity.block_size
-        )
-        if blocks > tier.max_blocks or blocks > self.limit:
-            code = Code.REQUEST_EXCEEDS_CAPACITY.value
-            return Verdict(tier_name, limits.max_tokens, limits.clamped, refused=code)
-        claim = Claim(
-            f"sim-{next(self._ids)}",
-            self.pool.name,
-            request.tenant,
-            blocks,
-            self.limit,
-            tier.max_blocks,
-            _FOREVER_S,
-        )
-        reservation = await self.ledger.reserve(claim)
-        if reservation.outcome is not Outcome.ADMITTED:
-            code = _REFUSALS[reservation.outcome].value
-            return Verdict(tier_name, limits.max_tokens, limits.clamped, refused=code)
-        return Verdict(tier_name, limits.max_tokens, limits.clamped, lease=reservation.lease)
+            return Verdict(identity.tier_name, request.output_tokens, refused=refusal.code.value)
+        limits = plan.limits
+        try:
+            claim = decide.claim(plan, f"sim-{next(self._ids)}", _FOREVER_S)
+            lease = await reserve(self.ledger, claim)
+        except Refusal as refusal:
+            code = refusal.code.value
+            return Verdict(identity.tier_name, limits.max_tokens, limits.clamped, refused=code)
+        return Verdict(identity.tier_name, limits.max_tokens, limits.clamped, lease=lease)
 
     async def release(self, lease: Lease) -> None:
         await self.ledger.release(lease)

@@ -14,7 +14,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvguard.admission.admit import RETRY_AFTER_S
+from kvguard.admission.decide import RETRY_AFTER_S
 from kvguard.errors import Code
 from kvguard.sim.engine import Engine, EngineConfig, Sequence
 from kvguard.sim.gate import PolicyGate, Verdict

@@ -15,8 +15,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvguard import config as configs
 from kvguard.admission.capacity import PoolCapacity
-from kvguard.config import schema as configs
 from kvguard.sim.engine import EngineConfig, StepCost
 from kvguard.sim.gate import PolicyGate
 from kvguard.sim.replay import Run, replay

@@ -1,4 +1,5 @@
-"""Real-process helpers shared by the integration tests and `kvguard demo`."""
+"""Real-process helpers for the tests and the benchmarks: Envoy, redis-server, vLLM, a
+recording upstream. Test support, left out of the wheel."""
 
 from __future__ import annotations
 

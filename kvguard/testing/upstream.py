@@ -1,6 +1,6 @@
 """A small OpenAI-compatible upstream that records every request reaching it.
 
-It stands in for vLLM in the integration tests and in `kvguard demo`: it answers
+It stands in for vLLM in the integration tests and the benchmarks: it answers
 POST /v1/chat/completions and /v1/completions (JSON or SSE streams) and any other path with
 200 "ok". Tests steer single requests with headers:
 

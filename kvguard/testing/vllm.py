@@ -145,7 +145,7 @@ class VllmProcess:
             # Its own process group (stop() ends the engine core too), but not its own session:
             # with sched_autogroup a new session is a scheduling group of its own, which gets
             # an equal share of the CPUs whatever its nice value, and the engine's busy-waiting
-            # threads then starved Envoy and kvguard for seconds (Envoy answered 504).
+            # threads would starve Envoy and kvguard for seconds (Envoy would answer 504).
             process_group=0,
             # On these shared cores it yields to them (in production vLLM has GPUs and nodes
             # of its own).

@@ -1,6 +1,7 @@
-"""A chat request's template arguments, merged as vLLM merges them:
+"""A chat request's template arguments: its tools normalised as vLLM's
+`ChatCompletionToolsParam` normalises them, and everything merged as
 `ChatCompletionRequest.build_chat_params` and `OnlineRenderer.preprocess_chat`
-(vllm/renderers/params.py `merge_kwargs`).
+(vllm/renderers/params.py `merge_kwargs`) merge it.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvguard.tokens.chat_messages import TokenizerError, lax_bool
+from kvguard.tokens.request import TokenizerError, lax_bool
 
 _REASONING_EFFORTS = frozenset({"none", "minimal", "low", "medium", "high", "xhigh", "max"})
 # apply_chat_template's own parameters: it consumes them, the template never sees them.
@@ -25,6 +26,7 @@ _CALL_PARAMETERS = (
     "sanitize_control_tokens",
     "return_assistant_tokens_mask",
 )
+_FUNCTION_FIELDS = frozenset({"name", "description", "parameters", "defer_loading"})
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,54 @@ class TemplateArguments:
     add_generation_prompt: bool
     continue_final_message: bool
     variables: dict[str, Any]
+
+
+def normalise_tools(tools: object) -> list[Any] | None:
+    """Each tool as vLLM's `ChatCompletionToolsParam.model_dump()` hands it to the template."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise TokenizerError("tools must be an array")
+    if not tools:
+        raise TokenizerError(
+            "`tools` must not be an empty array. "
+            "Either provide at least one tool or omit the field entirely."
+        )
+    out = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type", "function") != "function"
+            or not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+        ):
+            raise TokenizerError(
+                f'tools[{i}] must be {{"type": "function", "function": {{"name": …}}}}'
+            )
+        if not isinstance(fn.get("description"), str | None) or not isinstance(
+            fn.get("parameters"), dict | None
+        ):
+            raise TokenizerError(
+                f"tools[{i}].function: description must be a string, parameters an object"
+            )
+        # Declared fields first (None included: templates print them), extras after them.
+        function = {
+            "name": fn["name"],
+            "description": fn.get("description"),
+            "parameters": fn.get("parameters"),
+        }
+        defer = fn.get("defer_loading")
+        if defer is None:
+            defer = tool.get("defer_loading")  # the tool's flag propagates to its function
+        if defer is not None:
+            function["defer_loading"] = defer
+        function |= {k: v for k, v in fn.items() if k not in _FUNCTION_FIELDS}
+        dumped = {"type": "function", "function": function}
+        if tool.get("defer_loading") is not None:
+            dumped["defer_loading"] = tool["defer_loading"]
+        out.append(dumped)
+    return out
 
 
 def _unset(value: object) -> bool:

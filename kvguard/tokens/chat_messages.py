@@ -1,6 +1,6 @@
-"""Chat messages and tools normalised as vLLM's OpenAI server normalises them, before
-templating: vLLM's `parse_chat_messages` (vllm/entrypoints/chat_utils.py) and
-`ChatCompletionToolsParam`. The template arguments are merged in kvguard.tokens.chat_arguments.
+"""Chat messages normalised as vLLM's OpenAI server normalises them, before templating: vLLM's
+`parse_chat_messages` (vllm/entrypoints/chat_utils.py). The tools and the other template
+arguments are normalised and merged in kvguard.tokens.chat_arguments.
 """
 
 from __future__ import annotations
@@ -10,11 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvguard.tokens.chat_template import ContentFormat
-
-
-class TokenizerError(ValueError):
-    """vLLM would refuse this request (400). The message never quotes prompt text."""
-
+from kvguard.tokens.request import TokenizerError
 
 _TEXT_PARTS = {
     "text": "text",
@@ -34,68 +30,6 @@ _MEDIA_PARTS = (
     "video_url",
     "prompt_embeds",
 )
-_FUNCTION_FIELDS = frozenset({"name", "description", "parameters", "defer_loading"})
-# pydantic's lax bool, which vLLM's request model uses.
-_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
-_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
-
-
-def lax_bool(value: object, field: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int | float) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
-        return value.lower() in _TRUE
-    raise TokenizerError(f"{field} must be a boolean")
-
-
-def normalise_tools(tools: object) -> list[Any] | None:
-    """Each tool as vLLM's `ChatCompletionToolsParam.model_dump()` hands it to the template."""
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise TokenizerError("tools must be an array")
-    if not tools:
-        raise TokenizerError(
-            "`tools` must not be an empty array. "
-            "Either provide at least one tool or omit the field entirely."
-        )
-    out = []
-    for i, tool in enumerate(tools):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if (
-            not isinstance(tool, dict)
-            or tool.get("type", "function") != "function"
-            or not isinstance(fn, dict)
-            or not isinstance(fn.get("name"), str)
-        ):
-            raise TokenizerError(
-                f'tools[{i}] must be {{"type": "function", "function": {{"name": …}}}}'
-            )
-        if not isinstance(fn.get("description"), str | None) or not isinstance(
-            fn.get("parameters"), dict | None
-        ):
-            raise TokenizerError(
-                f"tools[{i}].function: description must be a string, parameters an object"
-            )
-        # Declared fields first (None included: templates print them), extras after them.
-        function = {
-            "name": fn["name"],
-            "description": fn.get("description"),
-            "parameters": fn.get("parameters"),
-        }
-        defer = fn.get("defer_loading")
-        if defer is None:
-            defer = tool.get("defer_loading")  # the tool's flag propagates to its function
-        if defer is not None:
-            function["defer_loading"] = defer
-        function |= {k: v for k, v in fn.items() if k not in _FUNCTION_FIELDS}
-        dumped = {"type": "function", "function": function}
-        if tool.get("defer_loading") is not None:
-            dumped["defer_loading"] = tool["defer_loading"]
-        out.append(dumped)
-    return out
 
 
 def normalise_messages(

@@ -127,9 +127,9 @@ class _Sandbox(ImmutableSandboxedEnvironment):
     """jinja2's immutable sandbox, with its verdict on each (type, attribute name) remembered.
 
     The verdict depends on nothing else (`is_internal_attribute` and `modifies_known_mutable`
-    test the object's type and the name), and one render asks it for every attribute access:
-    a quarter to a third of rendering a chat (10-32 µs measured). Only attributes that exist
-    are asked about, so the table stays as small as the types and names templates use.
+    test the object's type and the name), and one render asks it for every attribute access,
+    a good part of rendering a chat. Only attributes that exist are asked about, so the table
+    stays as small as the types and names templates use.
     """
 
     def __init__(self, **options: Any) -> None:

@@ -9,27 +9,24 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
 from kvguard.errors import Code, Refusal, invalid
-from kvguard.tokens.request import InferenceRequest, add_special_tokens, prompts_of
-from kvguard.tokens.tokenizer import PoolTokenizer, TokenizerError
+from kvguard.tokens.request import InferenceRequest, TokenizerError, are_token_ids, lax_bool
+from kvguard.tokens.tokenizer import PoolTokenizer
 
-# Where a count runs, by body size (bench/bench_tokens.py has the measurements, Qwen, 2 CPUs).
-# Counting new text costs ~0.15-0.2 µs per body byte: bodies up to 4 KiB stall the event loop
-# at most ~0.8 ms; for them a thread hop (~20 µs) saves little and may queue behind longer counts.
-# Larger ones go to threads (tokenizing releases the GIL, so they run in parallel).
-# Counts that weigh more than LONG_WORK_BYTES (`work_bytes`: ~15k tokens of new text, ~25 ms
-# and up) may take all threads but one, so that shorter counts never wait behind a 32k-token
-# prompt (measured: 1k-token decisions during a 32k flood went from p50 ~90 ms, queued behind
-# them, to ~5 ms).
+# Where a count runs, by body size (bench/bench_tokens.py measures the costs). Bodies up to
+# INLINE_BODY_BYTES are counted on the event loop: they stall it for well under a millisecond,
+# and a thread hop would save little and could queue behind longer counts. Larger ones go to
+# threads (tokenizing releases the GIL, so they run in parallel). Counts that weigh more than
+# LONG_WORK_BYTES (`work_bytes`: some 15k tokens of new text) may take all threads but one, so
+# that shorter counts never queue behind a long prompt.
 INLINE_BODY_BYTES = 4 * 1024
 LONG_WORK_BYTES = 64 * 1024
-# What rendering a chat template costs per message, in body bytes of counting: ~16 µs a
-# message measured (60,000 short messages in 0.95 s), ~40 bytes at the speed below; the
-# template's own text around each message (~30-50 characters) is counted too.
+# What rendering a chat template costs per message, in body bytes of counting work; the
+# template's own text around each message is counted too.
 MESSAGE_WORK_BYTES = 64
 # Counting work queued or running, in expected seconds at the measured speed: past this a
 # request is refused rather than left to wait near the 5 s an extended Envoy message timeout
-# allows. The speed starts at what was measured here (~2.5 MB of chat body per second per
-# thread) and follows the counts actually run, so a slow or busy host refuses sooner.
+# allows. The speed starts at INITIAL_BYTES_PER_S a thread and follows the counts actually run,
+# so a slow or busy host refuses sooner.
 MAX_BACKLOG_S = 2.0
 INITIAL_BYTES_PER_S = 2_000_000
 RETRY_AFTER_S = 1
@@ -83,6 +80,17 @@ def count_prompts(
     return counts
 
 
+def add_special_tokens(request: InferenceRequest) -> bool:
+    """vLLM's default: False for chat (the template adds them), True for completions."""
+    try:
+        return lax_bool(
+            request.body.get("add_special_tokens", request.kind == "completion"),
+            "add_special_tokens",
+        )
+    except TokenizerError as exc:
+        raise invalid(str(exc), "add_special_tokens") from None
+
+
 def _enough(request: InferenceRequest, max_model_len: int | None) -> int | None:
     """The count past which the exact number changes nothing (None: none): at max_model_len a
     prompt is refused, and vLLM keeps at most `truncate_prompt_tokens` of it."""
@@ -92,6 +100,16 @@ def _enough(request: InferenceRequest, max_model_len: int | None) -> int | None:
     if keep is None:
         return max_model_len
     return min(max_model_len, max_model_len - 1 if keep == -1 else keep)
+
+
+def prompts_of(request: InferenceRequest) -> list[str | list[int]]:
+    """A completion's prompts, each its own sequence (a string or token ids)."""
+    prompt = request.body["prompt"]
+    if isinstance(prompt, str):
+        return [prompt]
+    if are_token_ids(prompt):
+        return [prompt]
+    return list(prompt)
 
 
 def _kept(tokens: int, request: InferenceRequest, max_model_len: int | None) -> int:

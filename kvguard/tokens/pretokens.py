@@ -17,7 +17,7 @@ arrows, mathematical operators, box drawing, CJK ideographs and punctuation, ful
 common emoji) that NFC leaves unchanged. On such text `\p{L}` and `\p{N}` are explicit sets,
 `\s` is space, tab, LF and CR, and Oniguruma (which tokenizers uses) and `re` are both
 backtracking engines with leftmost-first alternation. Any other text, any regex construct not
-translated here, and any other normalizer or pre-tokenizer are counted by tokenizers as before:
+translated here, and any other normalizer or pre-tokenizer are left to tokenizers itself:
 `PreTokenCounter.for_tokenizer` returns None, or `count` returns None. A tokenizer whose cuts or
 counts differ from its own pre-tokenizer's and encode's on a fixed corpus of awkward texts at
 load gets no counter at all.
@@ -64,15 +64,13 @@ _IDENTITY_NORMALIZERS = frozenset({"NFC"})
 # Oniguruma's \w has no ½, Python's has).
 _PLAIN_ESCAPES = frozenset("sSrnt") | frozenset(r"""\'"^$.|?*+()[]{}-/ !#%&,:;<=>@_`~""")
 # Segments longer than this are left to tokenizers, which releases the GIL while it counts
-# (cutting here holds it: ~1 ms for 16k characters on a 2-CPU development host). 64 Ki made
-# 8k-token prompts 3.3 times cheaper but raised the p99 of small requests decided meanwhile by
-# 1-4 ms (measured with two streams of 8k-token prompts in flight).
+# (cutting here holds it). A higher limit makes long prompts cheaper to count but stalls the
+# small requests decided meanwhile.
 MAX_SEGMENT_CHARS = 16 * 1024
-# Pre-tokens remembered per tokenizer; past this the memory is emptied (18 MB measured for
-# 199k pre-tokens of random words).
+# Pre-tokens remembered per tokenizer (some 20 MB); past this the memory is emptied.
 MAX_PRE_TOKENS = 200_000
 # A segment with more than 1/WHOLE_SEGMENT_SHARE of its pre-tokens new is counted by
-# tokenizers in one call (~3.5 µs a pre-token), not pre-token by pre-token (~15 µs each).
+# tokenizers in one call, which costs several times less a pre-token than one call for each.
 WHOLE_SEGMENT_SHARE = 4
 
 

@@ -1,7 +1,8 @@
 """Parse and validate an OpenAI-style request body, as far as admission needs it.
 
 Only what decides the reservation is checked here (model, prompt shape, n, token limits);
-everything else is vLLM's business and passes through untouched.
+everything else is vLLM's business and passes through untouched. Counting and templating read
+more fields later, with `lax_bool`, and refuse them with `TokenizerError`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvguard.errors import invalid
-from kvguard.tokens.chat_messages import TokenizerError, lax_bool
 
 Kind = Literal["chat", "completion"]
 
@@ -28,6 +28,13 @@ GUARDED_PATHS: dict[str, Kind] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completion",
 }
+# pydantic's lax bool, which vLLM's request model uses.
+_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+class TokenizerError(ValueError):
+    """vLLM would refuse this request (400). The message never quotes prompt text."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +71,7 @@ def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return obj
 
 
-# One decoder for every body: json.loads with arguments builds a new one at each call (~1 µs).
+# One decoder for every body: json.loads with arguments builds a new one at each call.
 _DECODER = json.JSONDecoder(parse_constant=_reject_constant, object_pairs_hook=_unique_object)
 
 
@@ -136,6 +143,17 @@ def _positive_int(body: dict[str, Any], key: str) -> int | None:
     if type(value) is not int or value < 1:
         raise invalid(f"'{key}' must be a positive integer", key)
     return value
+
+
+def lax_bool(value: object, field: str) -> bool:
+    """A boolean field as vLLM's request model reads it; raises TokenizerError otherwise."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+        return value.lower() in _TRUE
+    raise TokenizerError(f"{field} must be a boolean")
 
 
 def parse(kind: Kind, raw: bytes) -> InferenceRequest:
@@ -228,9 +246,9 @@ def _check_prompt(prompt: Any, embeds: Any) -> None:
     if isinstance(prompt, str):
         return
     if isinstance(prompt, list) and prompt:
-        if all(isinstance(p, str) for p in prompt) or _token_ids(prompt):
+        if all(isinstance(p, str) for p in prompt) or are_token_ids(prompt):
             return
-        if all(isinstance(p, list) and p and _token_ids(p) for p in prompt):
+        if all(isinstance(p, list) and p and are_token_ids(p) for p in prompt):
             return
     raise invalid(
         "'prompt' must be a string, an array of strings, an array of token ids "
@@ -239,26 +257,6 @@ def _check_prompt(prompt: Any, embeds: Any) -> None:
     )
 
 
-def _token_ids(values: list[Any]) -> bool:
+def are_token_ids(values: list[Any]) -> bool:
+    """Whether every value is a token id (an int, 0 or more)."""
     return all(type(v) is int and v >= 0 for v in values)
-
-
-def prompts_of(request: InferenceRequest) -> list[str | list[int]]:
-    """A completion's prompts, each its own sequence (a string or token ids)."""
-    prompt = request.body["prompt"]
-    if isinstance(prompt, str):
-        return [prompt]
-    if _token_ids(prompt):
-        return [prompt]
-    return list(prompt)
-
-
-def add_special_tokens(request: InferenceRequest) -> bool:
-    """vLLM's default: False for chat (the template adds them), True for completions."""
-    try:
-        return lax_bool(
-            request.body.get("add_special_tokens", request.kind == "completion"),
-            "add_special_tokens",
-        )
-    except TokenizerError as exc:
-        raise invalid(str(exc), "add_special_tokens") from None

@@ -11,7 +11,7 @@ counted once need not be tokenized again.
 `SegmentCounter.for_tokenizer` returns None where that equality is not known to hold (an added
 token that strips or matches whole words only, a pre-tokenizer that treats the text's first
 segment differently such as Metaspace with prepend_scheme "first", a component not listed
-here): the caller then tokenizes whole texts, as before.
+here): the caller then tokenizes whole texts.
 """
 
 from __future__ import annotations

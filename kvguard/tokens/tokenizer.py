@@ -1,4 +1,4 @@
-"""Prompt token counts as vLLM's OpenAI server computes them (DESIGN.md, "Token counts…").
+"""Prompt token counts as vLLM's OpenAI server computes them (docs/design.md, "Counting rules").
 
 Chat: messages are normalised as vLLM's `parse_chat_messages` (vllm/entrypoints/chat_utils.py)
 does, the template arguments are merged as `ChatCompletionRequest.build_chat_params` and
@@ -20,17 +20,18 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer
 
-from kvguard.tokens.chat_arguments import template_arguments
-from kvguard.tokens.chat_messages import TokenizerError, normalise_messages, normalise_tools
+from kvguard.tokens.chat_arguments import normalise_tools, template_arguments
+from kvguard.tokens.chat_messages import normalise_messages
 from kvguard.tokens.chat_template import ChatTemplate, ChatTemplateError
 from kvguard.tokens.prefix_bound import PrefixBound, worth_bounding
+from kvguard.tokens.request import TokenizerError
 from kvguard.tokens.segments import SegmentCounter
 
 __all__ = ["ChatPrompt", "PoolTokenizer", "TokenizerError"]
 
 # Counts run on kvguard's own threads (kvguard.tokens.counting); tokenizers' rayon pool would
-# split a batch of segments across more threads again, for more CPU and no gain (measured: 333 µs
-# of CPU against 247 µs for one chat's nine segments). It reads the variable at each call.
+# split a batch of segments across more threads again, for more CPU and no gain. It reads the
+# variable at each call.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 

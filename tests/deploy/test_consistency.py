@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import yaml
 
+from kvguard import config as configs
 from kvguard.admission import policy
-from kvguard.config import schema as configs
 from kvguard.testing.envoy import KVGUARD_CLUSTER, cluster, http_filter, http_filters, listener
 from tests.conftest import model_dir
 from tests.deploy.manifests import (

@@ -3,10 +3,8 @@ as its ext_proc service (in this process, so the tests can read the ledger direc
 
 from __future__ import annotations
 
-import asyncio
 import socket
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,8 +13,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from kvguard import config as configs
 from kvguard.app import Service
-from kvguard.config import schema as configs
 from kvguard.testing.envoy import EnvoyProcess, loopback_config
 from kvguard.testing.upstream import RecordingUpstream
 from tests.conftest import kvguard_config, write_config
@@ -49,15 +47,6 @@ class Gateway:
             except ValueError:
                 parsed = body
             return response.status, {k.lower(): v for k, v in response.headers.items()}, parsed
-
-
-async def wait_until(predicate: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
-    """Poll an async condition until it holds; fail at the deadline."""
-    deadline = time.monotonic() + timeout
-    while not await predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"condition not met within {timeout}s")
-        await asyncio.sleep(0.02)
 
 
 @asynccontextmanager

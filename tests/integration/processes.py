@@ -1,16 +1,22 @@
-"""`kvguard serve` as a real process for the tests: started, waited on, cleaned up."""
+"""`kvguard serve` as a real process for the tests: started, waited on, cleaned up; alone, or
+behind the real Envoy with a client for requests through it."""
 
 from __future__ import annotations
 
 import asyncio
 import sys
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvguard.testing.envoy import EnvoyProcess, loopback_config
+from kvguard.testing.upstream import RecordingUpstream
+from kvguard.testing.wait import wait_until
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -39,13 +45,44 @@ async def kvguard_serve(
             stdout=log, stderr=log, env=env,
         )  # fmt: skip
         try:
-            deadline = time.monotonic() + 30
-            while await health(port) != SERVING:
+
+            async def ready() -> bool:
                 assert process.returncode is None, log_path.read_text()
-                assert time.monotonic() < deadline, "kvguard did not become ready"
-                await asyncio.sleep(0.1)
+                return await health(port) == SERVING
+
+            await wait_until(ready, "kvguard to become ready", timeout_s=30, poll_s=0.1)
             yield process
         finally:
             if process.returncode is None:
                 process.kill()
                 await process.wait()
+
+
+@dataclass
+class Served:
+    """A running `kvguard serve`, the Envoy in front of it, and a client session."""
+
+    process: asyncio.subprocess.Process
+    envoy: EnvoyProcess
+    http: aiohttp.ClientSession
+
+    @property
+    def url(self) -> str:
+        """Envoy's listener: where clients send their requests."""
+        return self.envoy.url
+
+
+@asynccontextmanager
+async def kvguard_behind_envoy(
+    config: Path, port: int, upstream: RecordingUpstream, log_path: Path, workdir: Path
+) -> AsyncIterator[Served]:
+    """kvguard_serve(config, port, log_path) as the ext_proc service of the real Envoy (its
+    files in `workdir`) in front of `upstream`, yielded once Envoy sees kvguard healthy. After,
+    the client and Envoy close, and the process is killed unless the test ended it."""
+    async with (
+        kvguard_serve(config, port, log_path) as process,
+        EnvoyProcess(loopback_config(port, upstream.port), workdir) as envoy,
+        aiohttp.ClientSession() as http,
+    ):
+        await envoy.wait_cluster_healthy("kvguard")
+        yield Served(process, envoy, http)

@@ -8,7 +8,6 @@ import os
 import re
 import signal
 import sys
-import time
 from pathlib import Path
 
 import aiohttp
@@ -18,13 +17,14 @@ import yaml
 from kvguard import __version__ as kvguard_version
 from kvguard.ops.discovery import EndpointCache, parse_cache_config
 from kvguard.testing import free_port
-from kvguard.testing.envoy import EnvoyProcess, loopback_config
 from kvguard.testing.upstream import RecordingUpstream
+from kvguard.testing.wait import wait_until
 from tests.conftest import kvguard_config, write_config
 from tests.integration.processes import (
     NOT_SERVING,
     SERVING,
     health,
+    kvguard_behind_envoy,
     kvguard_serve,
 )
 
@@ -241,69 +241,54 @@ async def test_ledger_status_reports_a_url_the_redis_client_refuses(tmp_path: Pa
     )
 
 
-async def test_serve_admits_through_envoy_and_exits_0_on_sigterm(tmp_path: Path) -> None:
+async def test_serve_admits_through_envoy_and_exits_0_on_sigterm(
+    tmp_path: Path, upstream: RecordingUpstream
+) -> None:
     port = free_port()
     path = write_config(tmp_path, kvguard_config(grpc_port=port, drain_seconds=5))
     log_path = tmp_path / "kvguard.log"
-    upstream = RecordingUpstream()
-    await upstream.start()
-    try:
-        async with kvguard_serve(path, port, log_path) as process:
-            async with EnvoyProcess(loopback_config(port, upstream.port), tmp_path) as envoy:
-                await envoy.wait_cluster_healthy("kvguard")
-                async with (
-                    aiohttp.ClientSession() as http,
-                    http.post(
-                        envoy.url + "/v1/completions",
-                        json={"model": "qwen", "prompt": "Hi"},
-                        headers={"x-tenant-id": "acme"},
-                    ) as response,
-                ):
-                    assert response.status == 200
-            assert upstream.requests[0].json()["max_tokens"] == 128
-            process.send_signal(signal.SIGTERM)
-            assert await asyncio.wait_for(process.wait(), 15) == 0
-        assert "kvguard stopped" in log_path.read_text()
-    finally:
-        await upstream.stop()
+    async with kvguard_behind_envoy(path, port, upstream, log_path, tmp_path) as served:
+        async with served.http.post(
+            served.url + "/v1/completions",
+            json={"model": "qwen", "prompt": "Hi"},
+            headers={"x-tenant-id": "acme"},
+        ) as response:
+            assert response.status == 200
+        assert upstream.requests[0].json()["max_tokens"] == 128
+        served.process.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(served.process.wait(), 15) == 0
+    assert "kvguard stopped" in log_path.read_text()
 
 
-async def test_sigterm_drains_open_streams_then_exits_0(tmp_path: Path) -> None:
+async def test_sigterm_drains_open_streams_then_exits_0(
+    tmp_path: Path, upstream: RecordingUpstream
+) -> None:
     port = free_port()
     path = write_config(tmp_path, kvguard_config(grpc_port=port, drain_seconds=20))
     log_path = tmp_path / "kvguard.log"
-    upstream = RecordingUpstream()
-    await upstream.start()
-    try:
-        async with (
-            kvguard_serve(path, port, log_path) as process,
-            EnvoyProcess(loopback_config(port, upstream.port), tmp_path) as envoy,
-            aiohttp.ClientSession() as http,
-        ):
-            await envoy.wait_cluster_healthy("kvguard")
-            slow = asyncio.create_task(
-                _post(http, envoy.url, {"x-tenant-id": "acme", "x-test-delay": "3"})
-            )
-            await upstream.wait_for_requests(1, timeout=10)
-            process.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + 5
-            while await health(port) != NOT_SERVING:
-                assert time.monotonic() < deadline, "readiness did not turn NOT_SERVING"
-                await asyncio.sleep(0.02)
-            assert await health(port, "liveness") == SERVING
-            assert await slow == 200  # the stream in flight finished within the grace period
-            assert await asyncio.wait_for(process.wait(), 30) == 0
-        text = log_path.read_text()
-        drained = "drained: 0 streams still open at drain_seconds were cut (their leases released)"
-        assert drained in text
-        assert "kvguard stopped" in text
-        records = [json.loads(line) for line in text.splitlines()]  # every line is JSON
-        (decision,) = [r for r in records if r["message"] == "decision"]
-        assert decision["tenant"] == "acme" and decision["outcome"] == "admitted"
-        assert decision["request_id"]  # Envoy's x-request-id
-        assert PROMPT not in text
-    finally:
-        await upstream.stop()
+    async with kvguard_behind_envoy(path, port, upstream, log_path, tmp_path) as served:
+        slow = asyncio.create_task(
+            _post(served.http, served.url, {"x-tenant-id": "acme", "x-test-delay": "3"})
+        )
+        await upstream.wait_for_requests(1, timeout=10)
+        served.process.send_signal(signal.SIGTERM)
+
+        async def not_serving() -> bool:
+            return await health(port) == NOT_SERVING
+
+        await wait_until(not_serving, "readiness to turn NOT_SERVING", timeout_s=5, poll_s=0.02)
+        assert await health(port, "liveness") == SERVING
+        assert await slow == 200  # the stream in flight finished within the grace period
+        assert await asyncio.wait_for(served.process.wait(), 30) == 0
+    text = log_path.read_text()
+    drained = "drained: 0 streams still open at drain_seconds were cut (their leases released)"
+    assert drained in text
+    assert "kvguard stopped" in text
+    records = [json.loads(line) for line in text.splitlines()]  # every line is JSON
+    (decision,) = [r for r in records if r["message"] == "decision"]
+    assert decision["tenant"] == "acme" and decision["outcome"] == "admitted"
+    assert decision["request_id"]  # Envoy's x-request-id
+    assert PROMPT not in text
 
 
 async def _post(http: aiohttp.ClientSession, url: str, headers: dict[str, str]) -> int:
@@ -365,17 +350,20 @@ async def test_sim_server_is_an_openai_upstream_with_the_cache_asked_for() -> No
             "max_model_len 3040, model qwen\n"
         )
         async with aiohttp.ClientSession() as http:
-            deadline = time.monotonic() + 10
-            while True:
+            metrics = ""
+
+            async def metrics_answered() -> bool:
+                nonlocal metrics
                 try:
                     async with http.get(url + "/metrics") as response:
                         if response.status == 200:
                             metrics = await response.text()
-                            break
+                            return True
                 except aiohttp.ClientConnectionError:
                     pass
-                assert time.monotonic() < deadline, "/metrics did not answer"
-                await asyncio.sleep(0.05)
+                return False
+
+            await wait_until(metrics_answered, "/metrics to answer", timeout_s=10, poll_s=0.05)
             # What kvguard's capacity discovery reads: vLLM keeps one block back.
             assert parse_cache_config(metrics) == EndpointCache(usable_blocks=95, block_size=32)
             chat = {"model": "qwen", "messages": [{"role": "user", "content": "Hi"}]}

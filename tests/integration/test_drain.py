@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +13,10 @@ import aiohttp
 import pytest
 
 from kvguard.testing import free_port
-from kvguard.testing.envoy import EnvoyProcess, loopback_config
 from kvguard.testing.upstream import RecordingUpstream
+from kvguard.testing.wait import wait_until
 from tests.conftest import kvguard_config, write_config
-from tests.integration.processes import kvguard_serve
+from tests.integration.processes import kvguard_behind_envoy
 
 pytestmark = pytest.mark.integration
 
@@ -33,31 +32,34 @@ async def test_streams_open_at_drain_seconds_are_cut_counted_and_logged(tmp_path
     upstream = RecordingUpstream(token_delay=TOKEN_DELAY_S)
     await upstream.start()
     try:
-        async with (
-            kvguard_serve(path, port, log_path) as process,
-            EnvoyProcess(loopback_config(port, upstream.port), tmp_path) as envoy,
-            aiohttp.ClientSession() as http,
-        ):
-            await envoy.wait_cluster_healthy("kvguard")
+        async with kvguard_behind_envoy(path, port, upstream, log_path, tmp_path) as served:
             streamed = {"model": "qwen", "prompt": "Hi", "stream": True, "max_tokens": 512}
-            async with http.post(envoy.url + "/v1/completions", json=streamed, headers=TENANT) as s:
+            async with served.http.post(
+                served.url + "/v1/completions", json=streamed, headers=TENANT
+            ) as s:
                 assert s.status == 200
                 seen = await s.content.readline()
                 assert seen.startswith(b"data: ")  # the response is under way
                 # A non-streamed request whose upstream has not answered yet.
                 waiting = asyncio.create_task(
-                    _post(http, envoy.url, {**TENANT, "x-test-delay": "600"})
+                    _post(served.http, served.url, {**TENANT, "x-test-delay": "600"})
                 )
                 await upstream.wait_for_requests(2, timeout=10)
-                process.send_signal(signal.SIGTERM)
+                served.process.send_signal(signal.SIGTERM)
                 with pytest.raises(aiohttp.ClientPayloadError):  # chunked body left unfinished
                     async for line in s.content:
                         seen += line
             assert b"data: [DONE]" not in seen
             status, error = await waiting
             assert (status, error["error"]["code"]) == (503, "kvguard_unavailable")
-            assert await asyncio.wait_for(process.wait(), 30) == 0
-            await _until_idle(upstream)  # Envoy reset both upstream requests
+            assert await asyncio.wait_for(served.process.wait(), 30) == 0
+            # Envoy reset both upstream requests.
+            await wait_until(
+                lambda: upstream.in_flight == 0,
+                lambda: f"the upstream to be idle ({upstream.in_flight} requests still open)",
+                timeout_s=10,
+                poll_s=0.02,
+            )
         records = [json.loads(line) for line in log_path.read_text().splitlines()]
         (drained,) = [r for r in records if r["message"].startswith("drained")]
         assert drained["message"] == (
@@ -72,10 +74,3 @@ async def _post(http: aiohttp.ClientSession, url: str, headers: dict[str, str]) 
     payload = {"model": "qwen", "prompt": "Hi", "max_tokens": 512}
     async with http.post(url + "/v1/completions", json=payload, headers=headers) as response:
         return response.status, await response.json(content_type=None)
-
-
-async def _until_idle(upstream: RecordingUpstream, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while upstream.in_flight:
-        assert time.monotonic() < deadline, f"{upstream.in_flight} upstream requests still open"
-        await asyncio.sleep(0.02)

@@ -17,8 +17,9 @@ from kvguard.testing import free_port
 from kvguard.testing.envoy import EnvoyProcess, loopback_config
 from kvguard.testing.redis import RedisServer
 from kvguard.testing.upstream import RecordingUpstream
+from kvguard.testing.wait import wait_until
 from tests.conftest import kvguard_config, write_config
-from tests.integration.conftest import gateway, wait_until
+from tests.integration.conftest import gateway
 from tests.integration.processes import kvguard_serve
 
 pytestmark = pytest.mark.integration
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.integration
 CHAT = {"model": "qwen", "messages": [{"role": "user", "content": "Tell me a long story."}]}
 
 
+@pytest.mark.redis
 async def test_a_killed_kvguards_leases_come_back_within_the_lease_time(tmp_path: Path) -> None:
     lease_s = 2
     with RedisServer(tmp_path / "redis") as redis:
@@ -65,7 +67,7 @@ async def test_a_killed_kvguards_leases_come_back_within_the_lease_time(tmp_path
                 async def reclaimed() -> bool:
                     return (await ledger.usage("qwen")).reserved == 0
 
-                await wait_until(reclaimed, timeout=lease_s + 3)
+                await wait_until(reclaimed, "the leases to expire", timeout_s=lease_s + 3)
                 assert time.monotonic() - killed_at <= lease_s + 3
                 # And with kvguard gone, Envoy refuses instead of passing unmetered.
                 async with http.post(
@@ -107,5 +109,5 @@ async def test_clients_walking_away_at_random_points_leak_nothing(tmp_path: Path
         async def all_released() -> bool:
             return await gw.reserved() == 0 and gw.service.keeper.open_leases == 0
 
-        await wait_until(all_released, timeout=10)
+        await wait_until(all_released, "every lease to be released", timeout_s=10)
         assert len(gw.upstream.requests) > 0  # some did get through before walking away

@@ -9,7 +9,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.integration.conftest import Gateway, gateway, wait_until
+from kvguard.testing.wait import wait_until
+from tests.integration.conftest import Gateway, gateway
 
 pytestmark = pytest.mark.integration
 
@@ -34,7 +35,7 @@ async def test_upstream_sees_clamped_limit_and_consistent_length(tmp_path: Path)
         assert seen.headers["x-kvguard-lease"] != "spoofed-by-client"
         assert int(seen.headers["x-kvguard-blocks"]) > 0
         assert answer["usage"]["prompt_tokens"] == int(seen.headers["x-kvguard-prompt-tokens"])
-        await wait_until(lambda: zero(gw))
+        await wait_until(lambda: zero(gw), "every lease to be released")
 
 
 async def test_absent_limit_is_injected_with_the_tier_default(tmp_path: Path) -> None:
@@ -72,7 +73,7 @@ async def test_flood_from_one_tenant_is_refused_while_another_gets_through(tmp_p
                 assert headers["x-kvguard-reason"] == "tenant_block_quota_exceeded"
                 assert body["error"]["code"] == "tenant_block_quota_exceeded"
                 assert int(headers["retry-after"]) >= 1
-        await wait_until(lambda: zero(gw))
+        await wait_until(lambda: zero(gw), "every lease to be released")
 
 
 async def test_pool_watermark_refuses_every_tenant(tmp_path: Path) -> None:
@@ -89,22 +90,22 @@ async def test_pool_watermark_refuses_every_tenant(tmp_path: Path) -> None:
         assert (status, body["error"]["code"]) == (429, "kv_cache_watermark_exceeded")
         assert headers["x-kvguard-reason"] == "kv_cache_watermark_exceeded"
         assert [s for s, _, _ in await asyncio.gather(*held)] == [200, 200, 200]
-        await wait_until(lambda: zero(gw))
+        await wait_until(lambda: zero(gw), "every lease to be released")
 
 
 async def test_ledger_returns_to_zero_however_the_exchange_ends(tmp_path: Path) -> None:
     async with gateway(tmp_path) as gw:
         status, _, _ = await gw.post("/v1/chat/completions", CHAT)
         assert status == 200
-        await wait_until(lambda: zero(gw))
+        await wait_until(lambda: zero(gw), "every lease to be released")
 
         status, _, _ = await gw.post("/v1/chat/completions", CHAT, x_test_status="500")
         assert status == 500
-        await wait_until(lambda: zero(gw))
+        await wait_until(lambda: zero(gw), "every lease to be released")
 
         status, _, _ = await gw.post("/v1/chat/completions", CHAT, x_test_reset="1")
         assert status in (502, 503)
-        await wait_until(lambda: zero(gw))
+        await wait_until(lambda: zero(gw), "every lease to be released")
 
         # A stream that the upstream resets half way.
         async with gw.http.post(
@@ -118,7 +119,7 @@ async def test_ledger_returns_to_zero_however_the_exchange_ends(tmp_path: Path) 
         ) as response:
             with pytest.raises(aiohttp.ClientPayloadError):
                 await response.read()
-        await wait_until(lambda: zero(gw))
+        await wait_until(lambda: zero(gw), "every lease to be released")
 
 
 async def test_client_cancelling_mid_stream_releases_the_lease(tmp_path: Path) -> None:
@@ -133,8 +134,8 @@ async def test_client_cancelling_mid_stream_releases_the_lease(tmp_path: Path) -
         assert first.startswith(b"data: ")
         assert await gw.reserved() > 0  # held while the stream runs
         response.close()  # the client goes away mid-stream
-        await wait_until(lambda: zero(gw))
-        await wait_until(lambda: _no_upstream_in_flight(gw))
+        await wait_until(lambda: zero(gw), "every lease to be released")
+        await wait_until(lambda: _no_upstream_in_flight(gw), "the upstream to be idle")
 
 
 async def _no_upstream_in_flight(gw: Gateway) -> bool:

@@ -1,5 +1,5 @@
 """Bodies up to server.max_body_bytes through the real Envoy (envoy/envoy.yaml): each one is
-admitted or refused with a code from the README's table, in good time."""
+admitted or refused with a code from docs/design.md's status table, in good time."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from tests.integration.conftest import Gateway, gateway, wait_until
+from kvguard.testing.wait import wait_until
+from tests.integration.conftest import Gateway, gateway
 
 pytestmark = pytest.mark.integration
 
@@ -68,7 +69,7 @@ async def test_bodies_near_the_limit_are_admitted_or_refused_from_the_table(
         async def counting_or_done() -> bool:
             return first.done() or gw.service.counter.pending_bytes > 0
 
-        await wait_until(counting_or_done, timeout=30)
+        await wait_until(counting_or_done, "the first body to be counted", timeout_s=30)
         assert await post(gw, padded_chat(4 * MIB + 1024)) == (200, None)
         assert await first == (400, "context_length_exceeded")
         # One after the other, too, and the padded body at the limit itself.

@@ -147,6 +147,7 @@ async def test_each_code_raises_the_sdks_error_class(tmp_path: Path) -> None:
             assert error.response.headers["retry-after"] == "1"
 
 
+@pytest.mark.redis
 async def test_ledger_unavailable_is_an_internal_server_error(tmp_path: Path) -> None:
     with RedisServer(tmp_path / "redis") as redis:
 

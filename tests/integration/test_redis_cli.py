@@ -10,8 +10,8 @@ import grpc
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from kvguard import config as configs
 from kvguard.app import Service
-from kvguard.config import schema as configs
 from kvguard.ledger import Claim, Outcome
 from kvguard.ledger.redis_ledger import RedisLedger
 from kvguard.testing import free_port
@@ -39,6 +39,7 @@ def redis_config(tmp_path: Path, url: str) -> Path:
     return write_config(tmp_path, data)
 
 
+@pytest.mark.redis
 async def test_status_reads_pools_and_tenants_from_redis(tmp_path: Path) -> None:
     with RedisServer(tmp_path / "redis") as redis:
         ledger = RedisLedger.from_url(redis.url)
@@ -58,6 +59,7 @@ async def test_status_reads_pools_and_tenants_from_redis(tmp_path: Path) -> None
     assert [line.split() for line in lines[4:]] == [["acme", "150"], ["b", "7"]]
 
 
+@pytest.mark.redis  # its server is never started, but RedisServer needs the binary
 async def test_status_says_when_redis_cannot_be_reached(tmp_path: Path) -> None:
     gone = RedisServer(tmp_path / "gone")  # never started
     url = f"redis://:secret@127.0.0.1:{gone.port}/0"

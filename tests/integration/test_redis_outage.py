@@ -25,11 +25,12 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvguard import config as configs
 from kvguard.app import Service
-from kvguard.config import schema as configs
 from kvguard.ledger.redis_ledger import RedisLedger
 from kvguard.ledger.resilient import ResilientLedger, local_share
 from kvguard.testing.redis import RedisServer
+from kvguard.testing.wait import wait_until
 from tests.conftest import kvguard_config, write_config
 from tests.protocol.harness import (
     body,
@@ -38,10 +39,9 @@ from tests.protocol.harness import (
     refusal,
     response_headers,
     set_headers,
-    wait_until,
 )
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.redis]
 
 BLOCKS = 1000
 WATERMARK = 0.15
@@ -174,7 +174,7 @@ class Load:
                     task.result()  # a lane that failed fails the test with its own error
             return self.outcomes[outcome] >= before + count
 
-        await wait_until(seen, timeout=10)
+        await wait_until(seen, f"{count} more {outcome} outcomes", timeout_s=10)
 
 
 async def redis_usage(url: str) -> tuple[int, int]:
@@ -191,13 +191,18 @@ async def converge(url: str, streams: list[Stream]) -> None:
     """Wait until Redis holds exactly the leases of `streams`."""
     want = (sum(s.blocks for s in streams), sum(1 for s in streams if s.lease))
 
-    async def equal() -> bool:
-        return await redis_usage(url) == want
+    held: tuple[int, int] | None = None
 
-    try:
-        await wait_until(equal, timeout=10)
-    except AssertionError:
-        raise AssertionError(f"Redis holds {await redis_usage(url)}, open streams {want}") from None
+    async def equal() -> bool:
+        nonlocal held
+        held = await redis_usage(url)
+        return held == want
+
+    await wait_until(
+        equal,
+        lambda: f"Redis to hold the open streams' {want} (blocks, leases); it holds {held}",
+        timeout_s=10,
+    )
 
 
 @pytest.mark.parametrize("mode", ["reject", "allow", "local"])
@@ -220,10 +225,10 @@ async def test_redis_outage_under_load(
             async def unreachable() -> bool:
                 return not kv.service.health.snapshot()["ledger"]
 
-            await wait_until(unreachable, timeout=5)
+            await wait_until(unreachable, "the ledger to be unreachable", timeout_s=5)
             assert await kv.readiness("liveness") == _SERVING
             if mode == "reject":
-                await wait_until(lambda: _is(kv, _NOT_SERVING))
+                await wait_until(lambda: _is(kv, _NOT_SERVING), "readiness to turn NOT_SERVING")
                 await load.wait_for("ledger_unavailable")
                 started = time.monotonic()
                 assert await open_stream(kv.stub) == (503, "ledger_unavailable")
@@ -259,7 +264,7 @@ async def test_redis_outage_under_load(
             async def reachable() -> bool:
                 return bool(kv.service.health.snapshot()["ledger"])
 
-            await wait_until(reachable, timeout=10)
+            await wait_until(reachable, "the ledger to be reachable again", timeout_s=10)
             assert await kv.readiness() == _SERVING
             await load.wait_for("admitted")
             await load.stop()

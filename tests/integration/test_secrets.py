@@ -11,21 +11,19 @@ import asyncio
 import hashlib
 import secrets
 import signal
-import time
 from pathlib import Path
 
-import aiohttp
 import pytest
 
 from kvguard.testing import free_port
-from kvguard.testing.envoy import EnvoyProcess, loopback_config
 from kvguard.testing.redis import RedisServer
 from kvguard.testing.upstream import RecordingUpstream
+from kvguard.testing.wait import wait_until
 from tests.conftest import kvguard_config, write_config
-from tests.integration.processes import kvguard_serve
+from tests.integration.processes import kvguard_behind_envoy
 from tests.integration.test_cli import TRACE, run
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.redis]
 
 PASSWORD = f"pw-{secrets.token_hex(12)}"
 WRONG_PASSWORD = f"pw-{secrets.token_hex(12)}"
@@ -122,16 +120,11 @@ async def serving(tmp_path: Path, redis: RedisServer) -> list[str]:
     )
     log_path = tmp_path / "serve" / "kvguard.log"
     try:
-        async with (
-            kvguard_serve(path, port, log_path) as process,
-            EnvoyProcess(loopback_config(port, upstream.port), tmp_path) as envoy,
-            aiohttp.ClientSession() as http,
-        ):
-            await envoy.wait_cluster_healthy("kvguard")
+        async with kvguard_behind_envoy(path, port, upstream, log_path, tmp_path) as served:
 
             async def post(key: str, payload: object) -> int:
-                async with http.post(
-                    envoy.url + "/v1/chat/completions",
+                async with served.http.post(
+                    served.url + "/v1/chat/completions",
                     json=payload,
                     headers={"authorization": f"Bearer {key}"},
                 ) as response:
@@ -143,7 +136,7 @@ async def serving(tmp_path: Path, redis: RedisServer) -> list[str]:
             assert await post(API_KEY, {"model": "qwen", "messages": "not a list"}) == 400
             redis.stop()  # an outage: logged once, as an error that names the ledger
             assert await post(API_KEY, CHAT) == 503
-            async with http.get(f"http://127.0.0.1:{metrics_port}/metrics") as response:
+            async with served.http.get(f"http://127.0.0.1:{metrics_port}/metrics") as response:
                 metrics = await response.text()
             assert "kvguard_admissions_total" in metrics
             # A change that is not YAML, on the password's line: rejected, and logged.
@@ -153,8 +146,8 @@ async def serving(tmp_path: Path, redis: RedisServer) -> list[str]:
             path.write_text(text.replace(f"url: {redis.url}", unclosed))
             await logged(log_path, "configuration change rejected")
             await logged(log_path, "capacity discovery from http://vllm:***@127.0.0.1")
-            process.send_signal(signal.SIGTERM)
-            assert await asyncio.wait_for(process.wait(), 30) == 0
+            served.process.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(served.process.wait(), 30) == 0
     finally:
         await upstream.stop()
     log = log_path.read_text()
@@ -164,10 +157,9 @@ async def serving(tmp_path: Path, redis: RedisServer) -> list[str]:
 
 async def logged(path: Path, text: str) -> None:
     """Wait until the log at `path` holds `text`."""
-    deadline = time.monotonic() + 30
-    while text not in path.read_text():
-        assert time.monotonic() < deadline, f"never logged: {text}"
-        await asyncio.sleep(0.1)
+    await wait_until(
+        lambda: text in path.read_text(), f"the log to say {text!r}", timeout_s=30, poll_s=0.1
+    )
 
 
 async def test_no_command_log_or_metric_shows_a_secret(tmp_path: Path) -> None:

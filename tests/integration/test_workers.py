@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -17,11 +16,12 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from kvguard.ledger.redis_ledger import RedisLedger
 from kvguard.testing import free_port
 from kvguard.testing.redis import RedisServer
+from kvguard.testing.wait import wait_until
 from tests.conftest import kvguard_config, write_config
 from tests.integration.processes import SERVING, health
 from tests.protocol.harness import body, exchange, headers
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.redis]
 
 CHAT = {"model": "qwen", "messages": [{"role": "user", "content": "hello"}]}
 
@@ -29,13 +29,6 @@ CHAT = {"model": "qwen", "messages": [{"role": "user", "content": "hello"}]}
 def workers_of(pid: int) -> set[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
     return {int(p) for p in out.stdout.split()}
-
-
-async def wait_for(predicate: object, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not await predicate():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "condition not met before the deadline"
-        await asyncio.sleep(0.1)
 
 
 async def test_two_workers_share_the_port_and_the_ledger(tmp_path: Path) -> None:
@@ -54,7 +47,7 @@ async def test_two_workers_share_the_port_and_the_ledger(tmp_path: Path) -> None
             async def ready() -> bool:
                 return len(workers_of(supervisor.pid)) == 2 and await health(port) == SERVING
 
-            await wait_for(ready)
+            await wait_until(ready, "two workers, SERVING", timeout_s=30, poll_s=0.1)
             calls = []
             for _ in range(8):  # a channel each: new connections spread over the workers
                 channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
@@ -74,8 +67,8 @@ async def test_two_workers_share_the_port_and_the_ledger(tmp_path: Path) -> None
                 pids = workers_of(supervisor.pid)
                 return len(pids) == 2 and victim not in pids
 
-            await wait_for(replaced)
-            await wait_for(ready)
+            await wait_until(replaced, "the killed worker replaced", timeout_s=30, poll_s=0.1)
+            await wait_until(ready, "two workers, SERVING", timeout_s=30, poll_s=0.1)
             for call, channel in calls:
                 call.cancel()
                 await channel.close()

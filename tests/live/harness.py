@@ -9,12 +9,11 @@ very same vLLM answered.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +31,7 @@ from kvguard.testing.envoy import (
     loopback_config,
 )
 from kvguard.testing.vllm import VllmProcess
+from kvguard.testing.wait import wait_until
 from tests.integration.processes import kvguard_serve
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -193,17 +193,6 @@ async def gateway(
         await proxy.stop()
 
 
-async def wait_until(
-    predicate: Callable[[], Awaitable[bool]], timeout: float, what: str = "condition"
-) -> None:
-    """Poll an async condition until it holds; raise at the deadline."""
-    deadline = time.monotonic() + timeout
-    while not await predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not met within {timeout}s")
-        await asyncio.sleep(0.05)
-
-
 # --- workload --------------------------------------------------------------------------------
 
 _WORDS = [
@@ -351,4 +340,4 @@ async def wait_idle(vllm: VllmProcess, timeout: float = 120) -> None:
             and m.get("vllm:num_requests_waiting", 0) == 0
         )
 
-    await wait_until(idle, timeout, "vLLM idle")
+    await wait_until(idle, "vLLM to be idle", timeout_s=timeout, poll_s=0.05)

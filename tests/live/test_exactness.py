@@ -14,7 +14,8 @@ import pytest
 
 from kvguard.admission.capacity import PoolCapacity
 from kvguard.testing.vllm import VllmProcess
-from tests.live.harness import Gateway, gateway, text, wait_until
+from kvguard.testing.wait import wait_until
+from tests.live.harness import Gateway, gateway, text
 
 pytestmark = [pytest.mark.live, pytest.mark.asyncio(loop_scope="session")]
 
@@ -188,4 +189,4 @@ async def test_prompt_tokens_equal_vllm_usage(vllm: VllmProcess, tmp_path: Path)
         async def released() -> bool:
             return await gw.reserved() == 0
 
-        await wait_until(released, 10, "ledger back to zero")
+        await wait_until(released, "the ledger back at zero", timeout_s=10, poll_s=0.05)

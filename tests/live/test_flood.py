@@ -24,6 +24,7 @@ import pytest_asyncio
 
 from kvguard.admission.capacity import PoolCapacity
 from kvguard.testing.vllm import VllmProcess
+from kvguard.testing.wait import wait_until
 from tests.live.harness import (
     Flood,
     Result,
@@ -32,7 +33,6 @@ from tests.live.harness import (
     post,
     preemptions,
     wait_idle,
-    wait_until,
 )
 
 pytestmark = [pytest.mark.live, pytest.mark.asyncio(loop_scope="session")]
@@ -148,7 +148,12 @@ async def guarded(vllm: VllmProcess, tmp_path_factory: pytest.TempPathFactory) -
             reached = sum(r.headers.get("x-tenant-id") == "noisy" for r in gw.proxy.requests)
             return refused == flood.noisy_requests - 2 and reached == 2
 
-        await wait_until(noisy_settled, 60, "2 noisy requests upstream, the rest answered")
+        await wait_until(
+            noisy_settled,
+            "2 noisy requests upstream, the rest answered",
+            timeout_s=60,
+            poll_s=0.05,
+        )
         out.first_refusals = [t.result() for t in noisy if t.done()]
         out.noisy_blocks = [
             int(r.headers["x-kvguard-blocks"])
@@ -172,7 +177,9 @@ async def guarded(vllm: VllmProcess, tmp_path_factory: pytest.TempPathFactory) -
                 # The quiet tenant's leases only: the noisy ones may end any time now.
                 return await gw.tenant_blocks("quiet") == 0
 
-            await wait_until(quiet_released, 10, "the quiet wave's leases released")
+            await wait_until(
+                quiet_released, "the quiet wave's leases released", timeout_s=10, poll_s=0.05
+            )
         held = await gw.tenant_blocks("noisy")
         retries.append((held, await decided(http, url, retry(200))))
         out.noisy_retries = [(held, await task) for held, task in retries]
@@ -183,7 +190,7 @@ async def guarded(vllm: VllmProcess, tmp_path_factory: pytest.TempPathFactory) -
         async def released() -> bool:
             return await gw.reserved() == 0
 
-        await wait_until(released, 10, "ledger back to zero")
+        await wait_until(released, "the ledger back at zero", timeout_s=10, poll_s=0.05)
         out.reserved_after = await gw.reserved()
     out.preemptions = await preemptions(vllm) - before
     return out

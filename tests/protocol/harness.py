@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -15,8 +13,8 @@ from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from kvguard import config as configs
 from kvguard.app import Service
-from kvguard.config import schema as configs
 from kvguard.ops.telemetry import Providers
 from tests.conftest import kvguard_config, write_config
 
@@ -103,13 +101,6 @@ def refusal(answer: pb.ProcessingResponse) -> tuple[int, dict[str, str], dict[st
     immediate = answer.immediate_response
     hdrs = {h.header.key: h.header.raw_value.decode() for h in immediate.headers.set_headers}
     return immediate.status.code, hdrs, json.loads(immediate.body)
-
-
-async def wait_until(predicate: Callable[[], Any], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not await predicate():
-        assert time.monotonic() < deadline, "condition not met before the deadline"
-        await asyncio.sleep(0.01)
 
 
 async def reserved(service: Service) -> int:

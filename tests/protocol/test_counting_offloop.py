@@ -15,6 +15,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from kvguard.app import Service
 from kvguard.extproc.service import EXTENDED_MESSAGE_TIMEOUT_S
+from kvguard.testing.wait import wait_until
 from kvguard.tokens.counting import LONG_WORK_BYTES, PromptCounter, work_bytes
 from kvguard.tokens.request import parse
 from kvguard.tokens.tokenizer import PoolTokenizer
@@ -25,7 +26,6 @@ from tests.protocol.harness import (
     reserved,
     running,
     set_headers,
-    wait_until,
 )
 
 # A template that fails for one content, to see a render error become a 400.
@@ -140,7 +140,7 @@ async def test_large_prompt_in_flight_does_not_hold_back_a_small_decision(
         assert hdrs["x-kvguard-prompt-tokens"] == str(small_tokens)
         for call in (big, small):
             await call.done_writing()
-        await wait_until(lambda: _released(service))
+        await wait_until(lambda: _released(service), "every lease to be released")
 
 
 async def _released(service: Service) -> bool:
@@ -179,12 +179,12 @@ async def test_a_stream_gone_while_counting_reserves_nothing(
         call.cancel()
         counter = service.admission.counter
         spy.release.set()
-        await wait_until(lambda: _idle(counter))
+        await wait_until(lambda: _idle(counter), "the counter to be idle")
         # A whole exchange after it: had the abandoned decision gone on, it would hold blocks.
         after = await open_call(stub, "/v1/chat/completions", chat("hi"))
         assert (await body_answer(after))[0].WhichOneof("response") == "request_body"
         await after.done_writing()
-        await wait_until(lambda: _released(service))
+        await wait_until(lambda: _released(service), "every lease to be released")
         assert service.keeper.open_leases == 0
 
 
@@ -227,7 +227,7 @@ async def test_a_flood_of_large_prompts_is_bounded(
         assert spy.most_running == 2  # never more counts at once than worker threads
         for call in calls:
             await call.done_writing()
-        await wait_until(lambda: _released(service))
+        await wait_until(lambda: _released(service), "every lease to be released")
         assert service.admission.counter.pending_bytes == 0
 
 

@@ -15,7 +15,8 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from kvguard.extproc.service import ExternalProcessor
 from kvguard.ops.telemetry import Providers
-from tests.protocol.harness import body, exchange, headers, reserved, running, wait_until
+from kvguard.testing.wait import wait_until
+from tests.protocol.harness import body, exchange, headers, reserved, running
 
 CHAT = {"model": "qwen", "messages": [{"role": "user", "content": "Say hello in French."}]}
 
@@ -75,7 +76,7 @@ async def test_streams_that_end_within_the_grace_are_waited_for_not_cut(
             (await exchange(stub, headers("/v1/chat/completions"), body(CHAT)))[0] for _ in range(2)
         ]
         stopping = asyncio.create_task(service.stop(600))
-        await wait_until(lambda: _refused(stub))  # the grace has begun
+        await wait_until(lambda: _refused(stub), "new streams to be refused")  # the grace has begun
         for call in calls:
             await call.done_writing()
             assert await call.read() == grpc.aio.EOF
@@ -111,7 +112,7 @@ async def test_a_stream_taken_before_the_grace_but_not_yet_handled_is_served(
         await call.write(headers("/v1/chat/completions"))
         await taken.wait()  # gRPC took the stream; kvguard's handler has not started
         stopping = asyncio.create_task(service.stop(600))
-        await wait_until(lambda: _refused(stub))  # the grace has begun
+        await wait_until(lambda: _refused(stub), "new streams to be refused")  # the grace has begun
         release.set()
 
         first = await call.read()

@@ -16,6 +16,7 @@ from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvguard.app import Service
+from kvguard.testing.wait import wait_until
 from tests.protocol.harness import (
     body,
     exchange,
@@ -25,7 +26,6 @@ from tests.protocol.harness import (
     response_headers,
     running,
     set_headers,
-    wait_until,
 )
 
 HI = '{"model": "qwen", "messages": [{"role": "user", "content": "hi"}]'
@@ -59,7 +59,7 @@ async def test_admitted_chat_is_clamped_and_released_at_the_end(tmp_path: Path) 
         assert await reserved(service) == blocks  # held until the exchange ends
         await call.done_writing()
         assert await call.read() == grpc.aio.EOF
-        await wait_until(lambda: _is_zero(service))
+        await wait_until(lambda: _is_zero(service), "every lease to be released")
 
 
 async def test_a_second_body_message_neither_decides_again_nor_loses_the_lease(
@@ -76,7 +76,7 @@ async def test_a_second_body_message_neither_decides_again_nor_loses_the_lease(
         assert (await service.ledger.usage("qwen")).leases == 1
         await call.done_writing()
         assert await call.read() == grpc.aio.EOF
-        await wait_until(lambda: _is_zero(service))
+        await wait_until(lambda: _is_zero(service), "every lease to be released")
         assert service.keeper.open_leases == 0
 
 
@@ -89,7 +89,7 @@ async def test_cancelled_stream_releases_its_lease(tmp_path: Path) -> None:
         call, _ = await exchange(stub, headers("/v1/chat/completions"), body(CHAT))
         assert await reserved(service) > 0
         call.cancel()
-        await wait_until(lambda: _is_zero(service))
+        await wait_until(lambda: _is_zero(service), "every lease to be released")
 
 
 async def test_limits_within_the_cap_leave_the_body_untouched(tmp_path: Path) -> None:
@@ -339,7 +339,7 @@ async def test_tenant_quota_then_watermark_give_429(tmp_path: Path) -> None:
         assert await reserved(service) == 48
         for call in calls:
             await call.done_writing()
-        await wait_until(lambda: _is_zero(service))
+        await wait_until(lambda: _is_zero(service), "every lease to be released")
 
 
 async def test_shadow_mode_passes_what_it_would_refuse(tmp_path: Path) -> None:
@@ -382,7 +382,7 @@ async def test_health_answers_serving(tmp_path: Path) -> None:
             answer = await stub.Check(health_pb2.HealthCheckRequest(service=""))
             return answer.status == health_pb2.HealthCheckResponse.NOT_SERVING
 
-        await wait_until(not_serving)
+        await wait_until(not_serving, "readiness to turn NOT_SERVING")
         live = await stub.Check(health_pb2.HealthCheckRequest(service="liveness"))
         assert live.status == health_pb2.HealthCheckResponse.SERVING
 

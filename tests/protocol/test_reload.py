@@ -18,12 +18,13 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
+from kvguard import config as configs
 from kvguard.app import Service
-from kvguard.config import schema as configs
 from kvguard.config.reload import PolicyWatcher
 from kvguard.ops.telemetry import Providers
+from kvguard.testing.wait import wait_until
 from tests.conftest import kvguard_config
-from tests.protocol.harness import body, exchange, headers, wait_until
+from tests.protocol.harness import body, exchange, headers
 
 CHAT = {"model": "qwen", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4000}
 
@@ -83,7 +84,7 @@ async def test_configmap_swap_applies_and_a_bad_change_keeps_the_last_good_polic
         async def new_cap() -> bool:
             return await cap_seen() == 1000
 
-        await wait_until(new_cap)
+        await wait_until(new_cap, "the new max_tokens_cap to apply")
         assert reloads(reader) == {"applied": 1}
         # A reload warns of what can never admit, as check-config and serve's start do.
         assert f"{path}: tenancy.tiers.pro.max_blocks: 5000 is not below any pool's limit" in (
@@ -97,7 +98,7 @@ async def test_configmap_swap_applies_and_a_bad_change_keeps_the_last_good_polic
         async def rejected() -> bool:
             return reloads(reader).get("rejected", 0) == 1
 
-        await wait_until(rejected)
+        await wait_until(rejected, "the bad change to be rejected")
         assert await cap_seen() == 1000  # the last good policy still answers
         assert f"{path}: tenancy.tiers.pro.max_tokens_cap: Input should be greater than 0" in (
             caplog.text
@@ -132,7 +133,7 @@ async def test_a_change_whose_load_raises_anything_is_rejected_and_watching_goes
             assert not task.done(), "the watcher ended"
             return results == [False]
 
-        await wait_until(rejected)
+        await wait_until(rejected, "the bad change to be rejected")
         assert published == []
         assert f"{path}: RecursionError: maximum recursion depth exceeded" in caplog.text
         path.write_text("v3, a good one")
@@ -140,7 +141,7 @@ async def test_a_change_whose_load_raises_anything_is_rejected_and_watching_goes
         async def applied() -> bool:
             return results == [False, True]
 
-        await wait_until(applied)
+        await wait_until(applied, "the good change to be applied")
         assert published == ["v3, a good one"]
     finally:
         task.cancel()

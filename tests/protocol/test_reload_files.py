@@ -12,12 +12,13 @@ import grpc
 import yaml
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from kvguard import config as configs
 from kvguard.admission.policy import TokenizerCache, build
 from kvguard.app import Service
-from kvguard.config import schema as configs
+from kvguard.testing.wait import wait_until
 from kvguard.tokens.tokenizer import PoolTokenizer
 from tests.conftest import kvguard_config, write_config
-from tests.protocol.harness import body, exchange, headers, running, set_headers, wait_until
+from tests.protocol.harness import body, exchange, headers, running, set_headers
 
 CHAT = {"model": "qwen", "messages": [{"role": "user", "content": "hi"}]}
 SHORT = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -41,7 +42,7 @@ async def reloaded(service: Service, old: object) -> None:
     async def swapped() -> bool:
         return service.policy is not old
 
-    await wait_until(swapped)
+    await wait_until(swapped, "the policy to be reloaded")
 
 
 async def test_a_template_rewritten_in_place_applies_with_the_reload(tmp_path: Path) -> None:

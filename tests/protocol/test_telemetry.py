@@ -20,8 +20,9 @@ from pythonjsonlogger.json import JsonFormatter
 
 from kvguard.ops.metrics import bounded_tenants
 from kvguard.ops.telemetry import Providers
+from kvguard.testing.wait import wait_until
 from tests.conftest import kvguard_config, write_config
-from tests.protocol.harness import body, exchange, headers, reserved, running, wait_until
+from tests.protocol.harness import body, exchange, headers, reserved, running
 from tests.unit.test_discovery import FakeVllm
 
 CHAT = {"model": "qwen", "messages": [{"role": "user", "content": "A secret prompt text"}]}
@@ -88,7 +89,7 @@ async def test_decisions_are_counted_traced_and_logged(
             }
             return reserved.get("qwen", 0) > 0
 
-        await wait_until(gauges_show_the_lease)
+        await wait_until(gauges_show_the_lease, "the gauge to show the lease")
         (capacity,) = points(reader, "kvguard_capacity_blocks")
         assert (capacity.attributes["pool"], capacity.value) == ("qwen", 1000)
         tenants = points(reader, "kvguard_tenant_reserved_blocks")
@@ -130,7 +131,7 @@ async def test_prometheus_endpoint_serves_the_documented_names(tmp_path: Path) -
             async def has_gauges() -> bool:
                 return "kvguard_reserved_blocks{" in await scraped()
 
-            await wait_until(has_gauges)
+            await wait_until(has_gauges, "/metrics to show the gauges")
             text = await scraped()
     assert (
         'kvguard_admissions_total{outcome="admitted",pool="qwen",reason="",tier="pro"} 1.0' in text
@@ -173,13 +174,13 @@ async def test_gauges_drop_a_pool_that_left_the_policy_or_whose_capacity_is_unkn
                     and _by_pool(reader, "kvguard_reserved_blocks") == reserved
                 )
 
-            await wait_until(lambda: gauges({"qwen": 63}, {"qwen": 0}))
+            await wait_until(lambda: gauges({"qwen": 63}, {"qwen": 0}), "the discovered capacity")
             await vllm.stop()  # its reading expires after three refreshes: capacity unknown
-            await wait_until(lambda: gauges({}, {"qwen": 0}))
+            await wait_until(lambda: gauges({}, {"qwen": 0}), "the capacity to be unknown")
             data = kvguard_config()
             data["pools"][0]["name"] = "qwen2"  # static capacity, 1000 blocks
             write_config(tmp_path, data)
-            await wait_until(lambda: gauges({"qwen2": 1000}, {"qwen2": 0}))  # reloaded
+            await wait_until(lambda: gauges({"qwen2": 1000}, {"qwen2": 0}), "pool qwen2, reloaded")
     finally:
         await vllm.stop()
 
@@ -208,7 +209,7 @@ async def test_a_stream_that_ends_mid_decision_is_counted_as_cancelled(tmp_path:
         async def counted() -> bool:
             return reader.get_metrics_data() is not None and bool(admissions(reader))
 
-        await wait_until(counted)
+        await wait_until(counted, "an admission to be counted")
         assert admissions(reader) == {("qwen", "pro", "cancelled", ""): 1}
         assert await reserved(service) == 0
 

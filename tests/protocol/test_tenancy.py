@@ -13,8 +13,8 @@ import grpc
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from kvguard import config as configs
 from kvguard.app import Service
-from kvguard.config import schema as configs
 from tests.conftest import kvguard_config, write_config
 from tests.protocol.harness import body, exchange, headers, refusal, set_headers
 

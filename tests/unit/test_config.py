@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from kvguard import config
 from kvguard.admission import policy
-from kvguard.config import schema as config
 
 BAD = sorted((Path(__file__).parent / "configs" / "bad").glob("*.yaml"))
 GOOD_POOL = """

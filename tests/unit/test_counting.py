@@ -14,16 +14,16 @@ import asyncio
 import json
 import random
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvguard import config as configs
 from kvguard.admission import policy as policies
-from kvguard.config import schema as configs
 from kvguard.errors import Code, Refusal
+from kvguard.testing.wait import wait_until
 from kvguard.tokens import counting
 from kvguard.tokens.counting import (
     INITIAL_BYTES_PER_S,
@@ -676,10 +676,9 @@ async def test_the_backlog_bound_follows_the_measured_speed(
 
 
 async def wait_for_pending(counter: PromptCounter, expected: int) -> None:
-    deadline = time.monotonic() + 10
-    while counter.pending_bytes != expected:
-        assert time.monotonic() < deadline, "the request never got in line"
-        await asyncio.sleep(0.01)
+    await wait_until(
+        lambda: counter.pending_bytes == expected, "the request to get in line", timeout_s=10
+    )
 
 
 async def test_one_body_above_the_bound_is_still_counted(qwen: PoolTokenizer) -> None:

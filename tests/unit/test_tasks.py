@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from kvguard.ops.tasks import cancel_and_wait
+from kvguard.tasks import cancel_and_wait
 
 
 async def _loses_its_first_cancellation(started: asyncio.Event) -> None:
@@ -50,7 +50,7 @@ async def test_ended_and_failed_tasks_are_waited_for_and_failures_logged(
     finished = asyncio.create_task(asyncio.sleep(0))
     await asyncio.wait([failed, finished])
     running = asyncio.create_task(asyncio.Event().wait())
-    with caplog.at_level(logging.ERROR, logger="kvguard.ops.tasks"):
+    with caplog.at_level(logging.ERROR, logger="kvguard.tasks"):
         await asyncio.wait_for(cancel_and_wait([failed, finished, running]), timeout=5)
     assert running.cancelled()
     assert [r.getMessage() for r in caplog.records] == ["background task failing-loop failed"]

@@ -21,10 +21,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from kvguard.errors import Refusal
-from kvguard.tokens.chat_messages import lax_bool
 from kvguard.tokens.chat_template import ChatTemplate, ChatTemplateError, detect_content_format
-from kvguard.tokens.counting import count_prompts
-from kvguard.tokens.request import add_special_tokens, parse
+from kvguard.tokens.counting import add_special_tokens, count_prompts
+from kvguard.tokens.request import lax_bool, parse
 from kvguard.tokens.tokenizer import PoolTokenizer, TokenizerError
 from tests.conftest import model_dir
 

@@ -1,10 +1,10 @@
 """Stopping background tasks even when a library swallows their cancellation.
 
-Python 3.11's `asyncio.wait_for` returns the awaited call's result when a cancellation arrives
+On Python 3.11, `asyncio.wait_for` returns the awaited call's result when a cancellation arrives
 just as that call finishes, and the cancellation is lost (CPython gh-86296, fixed in 3.12).
-redis-py sends every command under `wait_for`. A background loop whose cancellation was lost
-runs on, and a stop that awaits it waits forever: a `server.workers: 2` kvguard on the Redis
-ledger, stopped during its workers' first ledger calls, hung in 16 of 60 tries.
+redis-py sends every command under `wait_for`, so a background loop on the Redis ledger can miss
+its cancellation and run on, and a stop that awaited it once would wait forever. A stop cancels
+again until the task has ended.
 """
 
 from __future__ import annotations

@@ -1,0 +1,131 @@
+"""The admission decision as pure functions: no ledger, no tokenizer, no clock, no I/O.
+
+In: the pool, the tenant's tier, the counted request and the pool's capacity. Out: a `Plan`
+(the output limits and the blocks they need), then the `Claim` the ledger is asked to grant,
+or a `Refusal`. The ledger's answer to a claim maps back to a refusal here too, so `serve`
+(`admit.Admission`) and `simulate` (`sim.gate.PolicyGate`) refuse with the same codes and
+messages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvguard.admission.capacity import PoolCapacity
+from kvguard.admission.estimate import Limits, blocks_needed, clamp
+from kvguard.config.schema import Pool, Tier
+from kvguard.errors import Code, Refusal
+from kvguard.ledger import Claim, Outcome
+from kvguard.tokens.request import Kind
+
+# Seconds a 429 asks the client to wait. A constant: leases end when responses do, which
+# kvguard cannot foresee.
+RETRY_AFTER_S = 1
+
+# Refusals that shadow mode lets pass: capacity and availability, never malformed input.
+SHADOWABLE = frozenset(
+    {
+        Code.TENANT_BLOCK_QUOTA_EXCEEDED,
+        Code.KV_CACHE_WATERMARK_EXCEEDED,
+        Code.REQUEST_EXCEEDS_CAPACITY,
+        Code.CAPACITY_UNKNOWN,
+        Code.LEDGER_UNAVAILABLE,
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Counted:
+    """What the decision reads of a parsed request, with its prompts counted."""
+
+    kind: Kind
+    limits: dict[str, int]  # the limit fields the client sent with a value
+    prompt_tokens: list[int]  # one count per prompt, never empty
+    min_tokens: int = 0
+    n: int = 1  # sequences per prompt
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A request sized for one pool and tenant: what it may generate and what that holds."""
+
+    pool: str
+    tenant: str
+    limits: Limits
+    blocks: int  # KV blocks of the pool's block size, for every prompt and sequence
+    quota: int  # most blocks the tenant may hold in the pool
+    pool_limit: int  # most blocks the pool may hold: capacity less the watermark
+
+
+def capacity_known(pool: str, capacity: PoolCapacity | None) -> PoolCapacity:
+    """The pool's capacity; refused with 503 while it is not known."""
+    if capacity is None:
+        raise Refusal(
+            Code.CAPACITY_UNKNOWN,
+            f"the KV-cache capacity of pool {pool!r} is not known yet",
+            retry_after_s=RETRY_AFTER_S,
+        )
+    return capacity
+
+
+def plan(request: Counted, pool: Pool, tenant: str, tier: Tier, capacity: PoolCapacity) -> Plan:
+    """Size `request` for `tenant` of `tier` in `pool`: clamp or inject the output limit and
+    turn prompt + output into blocks. Raises Refusal when the prompt leaves no room for output
+    or `min_tokens` cannot be honoured."""
+    limits = clamp(
+        request.kind,
+        request.limits,
+        tier,
+        pool.max_model_len,
+        max(request.prompt_tokens),
+        request.min_tokens,
+    )
+    blocks = blocks_needed(request.prompt_tokens, limits.max_tokens, request.n, capacity.block_size)
+    return Plan(pool.name, tenant, limits, blocks, tier.max_blocks, capacity.limit(pool.watermark))
+
+
+def claim(plan: Plan, lease_id: str, lease_seconds: float) -> Claim:
+    """The claim to reserve for `plan`. Raises Refusal (400) when the plan needs more blocks
+    than the tenant's quota or the pool's limit: no ledger state could ever grant it."""
+    if plan.blocks > plan.quota or plan.blocks > plan.pool_limit:
+        raise Refusal(
+            Code.REQUEST_EXCEEDS_CAPACITY,
+            f"the request needs {plan.blocks} KV-cache blocks, more than this tenant's quota "
+            f"({plan.quota}) or the pool's admissible capacity ({plan.pool_limit}) allows; "
+            "lower max_tokens, n or the prompt length",
+        )
+    return Claim(
+        lease_id, plan.pool, plan.tenant, plan.blocks, plan.pool_limit, plan.quota, lease_seconds
+    )
+
+
+def refusal(outcome: Outcome, claim: Claim) -> Refusal | None:
+    """The refusal the ledger's answer to `claim` means; None when it admitted the claim."""
+    if outcome is Outcome.TENANT_QUOTA:
+        return Refusal(
+            Code.TENANT_BLOCK_QUOTA_EXCEEDED,
+            f"tenant quota of {claim.tenant_quota} KV-cache blocks in pool {claim.pool!r} is in "
+            "use by this tenant's requests in flight; retry later",
+            retry_after_s=RETRY_AFTER_S,
+        )
+    if outcome is Outcome.POOL_WATERMARK:
+        return Refusal(
+            Code.KV_CACHE_WATERMARK_EXCEEDED,
+            f"the KV cache of pool {claim.pool!r} is full; retry later",
+            retry_after_s=RETRY_AFTER_S,
+        )
+    return None
+
+
+def unavailable() -> Refusal:
+    """The refusal when the ledger cannot be reached and `on_unavailable` is reject."""
+    return Refusal(
+        Code.LEDGER_UNAVAILABLE,
+        "the admission ledger cannot be reached; retry later",
+        retry_after_s=RETRY_AFTER_S,
+    )
+
+
+def passes_in_shadow(shadow: bool, code: Code) -> bool:
+    """Whether a request refused with `code` goes upstream anyway (marked as would-refuse)."""
+    return shadow and code in SHADOWABLE

@@ -1,0 +1,178 @@
+"""The ResilientLedger over a real redis-server that a proxy cuts off or holds back: what it
+admits when Redis is unreachable, what it replays when Redis is back, and how it watches."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvguard.admission.leases import LeaseKeeper
+from kvguard.ledger import LedgerUnavailable, Outcome
+from kvguard.ledger.redis_ledger import RedisLedger
+from kvguard.ledger.resilient import ResilientLedger, local_share
+from kvguard.testing.redis import RedisServer
+from kvguard.testing.wait import wait_until
+from tests.ledger.conftest import DEADLINE_S, claim, until_usage
+from tests.ledger.proxies import reserve_then_cancel, through_proxies
+
+
+def test_the_local_share_rounds_down() -> None:
+    assert [local_share(850, r) for r in (1, 2, 3, 1000)] == [850, 425, 283, 0]
+
+
+@pytest.mark.redis
+async def test_a_cancelled_reserves_release_that_cannot_reach_redis_is_replayed(
+    redis_server: RedisServer, direct: RedisLedger
+) -> None:
+    async with through_proxies(redis_server) as (proxies, primary):
+        ledger = ResilientLedger(primary, probe_interval_s=0.02)
+        try:
+            await ledger.start()
+            await reserve_then_cancel(ledger, proxies, direct)
+            proxies.cut()  # before the release's answer: it cannot reach Redis
+            await wait_until(
+                lambda: not ledger.reachable, "Redis to count as unreachable", timeout_s=DEADLINE_S
+            )
+            assert (await direct.usage("p")).reserved == 10
+            proxies.restore()
+            await until_usage(direct, 0, 0)  # replayed on recovery
+            assert ledger.reachable
+        finally:
+            await ledger.close()
+
+
+@pytest.mark.redis
+async def test_a_lease_redis_admits_after_the_flip_to_local_counts_in_the_local_share(
+    redis_server: RedisServer, direct: RedisLedger
+) -> None:
+    async with through_proxies(redis_server) as (proxies, primary):
+        ledger = ResilientLedger(
+            primary, on_unavailable="local", replicas=2, probe_interval_s=30, heartbeat_s=30
+        )
+        try:
+            await ledger.start()
+            proxies.answers.clear()
+            first = claim("B", 40, tenant="b", limit=100, quota=100)
+            reserving = asyncio.ensure_future(ledger.reserve(first))
+            await until_usage(direct, 40, 1)  # admitted in Redis; the answer is on its way
+            # Meanwhile another call finds Redis unreachable (each failed call does this).
+            ledger._went_down(LedgerUnavailable("another call timed out"))
+            proxies.answers.set()
+            assert (await reserving).outcome is Outcome.ADMITTED
+            # This process's share is 100 // 2 = 50 blocks, and B holds 40 of them.
+            second = await ledger.reserve(claim("C", 20, tenant="c", limit=100, quota=100))
+            assert second.outcome is Outcome.POOL_WATERMARK
+        finally:
+            await ledger.close()
+
+
+@pytest.mark.redis
+async def test_a_lease_released_while_a_pool_reset_reasserts_is_released_again(
+    redis_server: RedisServer, direct: RedisLedger
+) -> None:
+    """Redis restarted empty: the pool's open leases are re-asserted; one whose stream ended
+    while that script waited to be sent was recorded again, and the script's answer was lost."""
+    async with through_proxies(redis_server) as (proxies, primary):
+        keeper: LeaseKeeper
+        ledger = ResilientLedger(
+            primary, open_leases=lambda: keeper.snapshot(), probe_interval_s=0.02, heartbeat_s=30
+        )
+        keeper = LeaseKeeper(ledger, 60)
+        try:
+            await ledger.start()
+            for lease_id in ("ended", "open"):
+                reservation = await ledger.reserve(claim(lease_id, 10))
+                assert reservation.lease is not None
+                keeper.hold(reservation.lease)
+            redis_server.flushall()  # what a restart without persistence leaves
+            send, snapshotted = asyncio.Event(), asyncio.Event()
+            run = primary._run
+
+            async def reassert_sent_late(name: str, keys: Any, args: Any) -> Any:
+                if name == "reassert":  # waits for a connection, after its snapshot
+                    snapshotted.set()
+                    await send.wait()
+                    proxies.answers.clear()  # this answer will be lost
+                return await run(name, keys, args)
+
+            primary._run = reassert_sent_late  # type: ignore[method-assign]
+            await primary.check(["p"])  # the epoch is gone: the pool's leases are re-asserted
+            await snapshotted.wait()
+            keeper.release(next(lease for lease in keeper.snapshot() if lease.lease_id == "ended"))
+            await keeper.settle()
+            send.set()
+            await until_usage(direct, 20, 2)  # both recorded again
+            proxies.cut()
+            await wait_until(
+                lambda: not ledger.reachable, "the re-assert to fail", timeout_s=DEADLINE_S
+            )  # answer lost
+            primary._run = run  # type: ignore[method-assign]
+            proxies.restore()
+            await until_usage(direct, 10, 1)  # released again on recovery
+            assert [lease.lease_id for lease in keeper.snapshot()] == ["open"]
+        finally:
+            await ledger.close()
+
+
+@pytest.mark.redis
+async def test_an_outage_an_operation_finds_is_probed_at_once_not_after_the_heartbeat(
+    redis_server: RedisServer,
+) -> None:
+    redis_server.flushall()
+    async with through_proxies(redis_server) as (proxies, primary):
+        ledger = ResilientLedger(primary, probe_interval_s=0.02, heartbeat_s=3600)
+        try:
+            await ledger.start()  # the watcher sleeps for its heartbeat
+            proxies.cut()
+            with pytest.raises(LedgerUnavailable):
+                await ledger.reserve(claim("A", 1))
+            proxies.restore()
+            await wait_until(
+                lambda: ledger.reachable,
+                "a probe (every 0.02 s, not in an hour)",
+                timeout_s=DEADLINE_S,
+            )
+        finally:
+            await ledger.close()
+
+
+@pytest.mark.redis
+async def test_close_leaves_no_watcher_behind(
+    redis_server: RedisServer, direct: RedisLedger
+) -> None:
+    """A cancelled reserve's release fails while close() waits for it: Redis is then seen
+    unreachable, and nothing may start watching it again."""
+    async with through_proxies(redis_server) as (proxies, primary):
+        ledger = ResilientLedger(primary, probe_interval_s=0.02)
+        await ledger.start()
+        await reserve_then_cancel(ledger, proxies, direct)  # its release waits for an answer
+        closing = asyncio.ensure_future(ledger.close())
+        # close() stops the watcher, then waits for the release.
+        await wait_until(
+            lambda: ledger._watcher is None, "close() to stop the watcher", timeout_s=DEADLINE_S
+        )
+        proxies.cut()
+        await closing
+        assert not ledger.reachable  # the release failed
+        assert ledger._watcher is None
+
+
+@pytest.mark.redis
+async def test_renewing_a_released_lease_locally_does_not_bring_it_back(tmp_path: Path) -> None:
+    never_started = RedisServer(tmp_path / "redis")  # its port refuses connections
+    ledger = ResilientLedger(
+        RedisLedger.from_url(never_started.url), on_unavailable="local", probe_interval_s=30
+    )
+    try:
+        await ledger.start()
+        assert not ledger.reachable
+        lease = (await ledger.reserve(claim("L", 10))).lease
+        assert lease is not None
+        await ledger.release(lease)
+        assert await ledger.renew(lease, 60) is False
+        assert (await ledger.usage("p")).reserved == 0
+    finally:
+        await ledger.close()

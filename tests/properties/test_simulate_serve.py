@@ -1,0 +1,178 @@
+"""Property-based: `kvguard simulate` (sim.gate.PolicyGate) and `kvguard serve`
+(admission.admit.Admission with a memory ledger) decide every request alike.
+
+Configurations are random: tiers (cap, default, quota), whether unknown tenants get a default
+tier, max_model_len, block size, capacity and watermark. So are the requests: several tenants,
+prompts that may fill the context, outputs sent as max_tokens or left to the tier's default,
+with some admitted requests released in between. Serve gets what Envoy would send it (the
+tenant header, a completion body) and a counter that returns the request's prompt count; the
+gate gets the trace request. Both must give the same refusal code (or none), the same output
+limit, the same blocks, and leave their ledgers holding the same blocks per tenant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any, cast
+
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from kvguard.admission.admit import Admission, AdmissionSettings
+from kvguard.admission.capacity import Capacities, PoolCapacity
+from kvguard.admission.leases import Lease
+from kvguard.admission.policy import Policy, PoolPolicy, identify_request
+from kvguard.admission.record import Decision
+from kvguard.config.schema import Capacity, Config, Pool, Tenancy, Tier
+from kvguard.errors import Refusal
+from kvguard.ledger.memory import MemoryLedger
+from kvguard.sim.gate import PolicyGate
+from kvguard.sim.trace import TraceRequest
+from kvguard.tokens.counting import PromptCounter
+from kvguard.tokens.tokenizer import PoolTokenizer
+
+MODEL = "m"
+TENANTS = ["", "a", "b", "c"]  # "" is a request without the tenant header
+
+
+@dataclass(frozen=True)
+class Ask:
+    tenant: str
+    prompt_tokens: int
+    output_tokens: int
+    sends_max_tokens: bool
+
+
+@dataclass(frozen=True)
+class Release:
+    which: int  # an index into the leases held, modulo their number
+
+
+class GivenCount:
+    """A counter that returns the prompt count it is handed: traces carry counts, not text."""
+
+    def __init__(self) -> None:
+        self.prompt_tokens = 0
+
+    async def count(self, *_args: Any, **_kwargs: Any) -> list[int]:
+        return [self.prompt_tokens]
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> tuple[Config, list[Ask | Release]]:
+    """A configuration and the steps to run on it, their sizes drawn around the pool's: most
+    requests need a few blocks, some need more than a tier or the pool allows."""
+    block_size = draw(st.sampled_from([16, 4, 32, 1]))
+    blocks = draw(st.integers(1, 400))
+    max_model_len = draw(st.integers(8, 4096))
+    tier_map = {}
+    for name in draw(st.lists(st.sampled_from(["free", "pro", "max"]), min_size=1, unique=True)):
+        cap = draw(st.integers(1, 4 * block_size) | st.integers(1, 1024))
+        tier_map[name] = Tier(
+            max_tokens_cap=cap,
+            default_max_tokens=draw(st.integers(1, cap)),
+            max_blocks=draw(st.integers(1, blocks)),
+        )
+    names = sorted(tier_map)
+    # Each named tenant has a tier of its own, or none (then it gets the default tier, if any).
+    mapped = {tenant: draw(st.sampled_from([*names, None])) for tenant in TENANTS[1:]}
+    tenancy = Tenancy(
+        default_tier=draw(st.sampled_from([*names, None])),
+        tiers=tier_map,
+        tenants={tenant: tier for tenant, tier in mapped.items() if tier is not None},
+    )
+    pool = Pool(
+        name="p",
+        models=[MODEL],
+        tokenizer="/models/p",  # not read: the counter is given the counts
+        max_model_len=max_model_len,
+        watermark=draw(st.sampled_from([0.15, 0.0, 0.05, 0.3, 0.5])),
+        capacity=Capacity(blocks=blocks, block_size=block_size),
+    )
+    small = st.integers(1, 4 * block_size)
+    ask = st.builds(
+        Ask,
+        tenant=st.sampled_from(TENANTS),
+        prompt_tokens=small | st.integers(1, max_model_len + 64),
+        output_tokens=small | st.integers(1, 2000),
+        sends_max_tokens=st.booleans(),
+    )
+    release = st.builds(Release, st.integers(0, 50))
+    step = st.integers(0, 5).flatmap(lambda k: release if k == 0 else ask)  # 1 in 6 releases
+    steps = draw(st.lists(step, min_size=10, max_size=40))
+    return Config(tenancy=tenancy, pools=[pool]), steps
+
+
+def serve(config: Config) -> tuple[Admission, Policy, MemoryLedger, GivenCount]:
+    pool = config.pools[0]
+    assert pool.capacity.blocks is not None and pool.capacity.block_size is not None
+    capacity = PoolCapacity(pool.capacity.blocks, pool.capacity.block_size)
+    # The counter is given the counts, so no tokenizer is loaded.
+    policy_pool = PoolPolicy(pool, cast(PoolTokenizer, None), capacity)
+    policy = Policy(config.tenancy, config.shadow, {pool.name: policy_pool}, {MODEL: policy_pool})
+    capacities = Capacities()
+    capacities.set(pool.name, capacity)
+    ledger = MemoryLedger(clock=lambda: 0.0)
+    counter = GivenCount()
+    settings_ = AdmissionSettings(max_body_bytes=1 << 20, lease_seconds=60.0)
+    admission = Admission(ledger, cast(PromptCounter, counter), capacities, settings_)
+    return admission, policy, ledger, counter
+
+
+async def both_decide(config: Config, steps: list[Ask | Release]) -> None:
+    pool = config.pools[0]
+    assert pool.capacity.blocks is not None and pool.capacity.block_size is not None
+    gate = PolicyGate(
+        config, PoolCapacity(pool.capacity.blocks, pool.capacity.block_size), lambda: 0.0
+    )
+    admission, policy, ledger, counter = serve(config)
+    held: list[tuple[Lease, Lease]] = []  # (simulate's, serve's) lease of each admitted request
+    for step in steps:
+        await same_usage(gate, ledger)
+        if isinstance(step, Release):
+            if held:
+                simulated, served = held.pop(step.which % len(held))
+                await gate.release(simulated)
+                await ledger.release(served)
+            continue
+        request = TraceRequest(0.0, step.tenant, step.prompt_tokens, step.output_tokens)
+        verdict = await gate.admit(request, sends_max_tokens=step.sends_max_tokens)
+        event(verdict.refused or "admitted")
+        body: dict[str, Any] = {"model": MODEL, "prompt": "x"}
+        if step.sends_max_tokens:
+            body["max_tokens"] = step.output_tokens
+        counter.prompt_tokens = step.prompt_tokens
+        decision = Decision()
+        try:
+            identity = identify_request(policy, {config.tenancy.header: step.tenant})
+            admitted = await admission.decide(
+                policy, "completion", identity, json.dumps(body).encode(), decision
+            )
+        except Refusal as refusal:
+            assert verdict.refused == refusal.code.value, (step, refusal.message)
+            if decision.max_tokens is not None:  # refused once sized
+                assert verdict.max_tokens == decision.max_tokens, step
+            continue
+        assert verdict.refused is None, (step, verdict)
+        assert verdict.lease is not None and admitted.lease is not None
+        sent = json.loads(admitted.body)["max_tokens"] if admitted.body else step.output_tokens
+        assert verdict.max_tokens == decision.max_tokens == sent, step
+        assert verdict.clamped == (admitted.body is not None), step  # lowered or injected
+        assert verdict.lease.blocks == admitted.lease.blocks == admitted.blocks, step
+        assert verdict.lease.tenant == admitted.lease.tenant, step
+        held.append((verdict.lease, admitted.lease))
+    await same_usage(gate, ledger)
+
+
+async def same_usage(gate: PolicyGate, ledger: MemoryLedger) -> None:
+    """Both ledgers hold the same blocks, per tenant."""
+    simulated, served = await gate.ledger.usage(gate.pool.name), await ledger.usage(gate.pool.name)
+    assert (simulated.reserved, simulated.tenants) == (served.reserved, served.tenants)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(case=cases())
+def test_simulate_and_serve_decide_the_same(case: tuple[Config, list[Ask | Release]]) -> None:
+    asyncio.run(both_decide(*case))

@@ -1,0 +1,224 @@
+"""The pure decision, called directly: sizing, claims, refusals and the ledger's answers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from kvguard.admission import decide
+from kvguard.admission.capacity import PoolCapacity
+from kvguard.config.schema import Capacity, Pool, Tier
+from kvguard.errors import Code, Refusal
+from kvguard.ledger import Claim, Outcome
+
+TIER = Tier(max_tokens_cap=512, default_max_tokens=256, max_blocks=100)
+POOL = Pool(
+    name="llama",
+    models=["llama"],
+    tokenizer="/models/llama",
+    max_model_len=4096,
+    watermark=0.15,
+    capacity=Capacity(blocks=1000, block_size=16),
+)
+CAPACITY = PoolCapacity(1000, 16)
+
+
+def counted(
+    prompt_tokens: list[int], limits: dict[str, int] | None = None, **kw: int
+) -> decide.Counted:
+    return decide.Counted("completion", limits or {}, prompt_tokens, **kw)
+
+
+def test_an_unknown_capacity_is_refused_with_503_and_retry_after() -> None:
+    with pytest.raises(Refusal) as caught:
+        decide.capacity_known("llama", None)
+    refusal = caught.value
+    assert (refusal.code, refusal.code.status) == (Code.CAPACITY_UNKNOWN, 503)
+    assert refusal.message == "the KV-cache capacity of pool 'llama' is not known yet"
+    assert refusal.retry_after_s == decide.RETRY_AFTER_S
+    assert decide.capacity_known("llama", CAPACITY) is CAPACITY
+
+
+def test_a_plan_clamps_the_limit_and_counts_every_prompt_and_sequence() -> None:
+    plan = decide.plan(counted([100, 40], {"max_tokens": 9000}, n=2), POOL, "acme", TIER, CAPACITY)
+    assert (plan.pool, plan.tenant) == ("llama", "acme")
+    assert plan.limits.fields == {"max_tokens": 512} and plan.limits.clamped
+    assert (plan.limits.requested, plan.limits.max_tokens) == (9000, 512)
+    # ceil((100 + 512) / 16) + ceil((40 + 512) / 16) = 39 + 35, for each of 2 sequences
+    assert plan.blocks == 2 * (39 + 35)
+    assert (plan.quota, plan.pool_limit) == (100, 850)
+
+
+def test_a_plan_without_a_limit_gets_the_tier_default() -> None:
+    plan = decide.plan(counted([10]), POOL, "", TIER, CAPACITY)
+    assert plan.limits.fields == {"max_tokens": 256} and plan.limits.requested is None
+    assert plan.blocks == 17  # ceil(266 / 16)
+
+
+def test_a_prompt_that_fills_the_context_is_refused() -> None:
+    with pytest.raises(Refusal) as caught:
+        decide.plan(counted([10, 4096], {"max_tokens": 5}), POOL, "", TIER, CAPACITY)
+    assert caught.value.code is Code.CONTEXT_LENGTH_EXCEEDED
+    assert caught.value.param == "prompt"
+
+
+def test_min_tokens_above_the_room_is_refused_as_invalid() -> None:
+    with pytest.raises(Refusal) as caught:
+        decide.plan(counted([4000], min_tokens=200), POOL, "", TIER, CAPACITY)
+    assert (caught.value.code, caught.value.param) == (Code.INVALID_REQUEST, "min_tokens")
+
+
+def test_the_claim_carries_the_plan_the_lease_id_and_the_lease_seconds() -> None:
+    plan = decide.plan(counted([100], {"max_tokens": 100}), POOL, "acme", TIER, CAPACITY)
+    claim = decide.claim(plan, "lease-1", 30.0)
+    assert claim == Claim("lease-1", "llama", "acme", 13, 850, 100, 30.0)
+
+
+@pytest.mark.parametrize(
+    ("tier", "capacity", "quota", "limit"),
+    [
+        (Tier(max_tokens_cap=512, default_max_tokens=256, max_blocks=12), CAPACITY, 12, 850),
+        (TIER, PoolCapacity(14, 16), 100, 11),  # floor(14 x 0.85)
+    ],
+    ids=["above-the-quota", "above-the-pool-limit"],
+)
+def test_a_plan_above_the_quota_or_the_pool_limit_gets_no_claim(
+    tier: Tier, capacity: PoolCapacity, quota: int, limit: int
+) -> None:
+    plan = decide.plan(counted([100], {"max_tokens": 100}), POOL, "acme", tier, capacity)
+    assert plan.blocks == 13
+    with pytest.raises(Refusal) as caught:
+        decide.claim(plan, "lease-1", 30.0)
+    refusal = caught.value
+    assert (refusal.code, refusal.code.status) == (Code.REQUEST_EXCEEDS_CAPACITY, 400)
+    assert refusal.message == (
+        f"the request needs 13 KV-cache blocks, more than this tenant's quota ({quota}) or the "
+        f"pool's admissible capacity ({limit}) allows; lower max_tokens, n or the prompt length"
+    )
+    assert refusal.retry_after_s is None
+
+
+def test_a_plan_at_exactly_the_quota_and_the_pool_limit_is_claimed() -> None:
+    tier = Tier(max_tokens_cap=512, default_max_tokens=256, max_blocks=13)
+    plan = decide.plan(counted([100], {"max_tokens": 100}), POOL, "", tier, PoolCapacity(16, 16))
+    assert (plan.blocks, plan.quota, plan.pool_limit) == (13, 13, 13)
+    assert decide.claim(plan, "x", 1.0).blocks == 13
+
+
+CLAIM = Claim("lease-1", "llama", "acme", 13, 850, 100, 30.0)
+
+
+def test_the_ledgers_answers_map_to_429s_or_to_none() -> None:
+    assert decide.refusal(Outcome.ADMITTED, CLAIM) is None
+    quota = decide.refusal(Outcome.TENANT_QUOTA, CLAIM)
+    assert quota is not None and quota.code is Code.TENANT_BLOCK_QUOTA_EXCEEDED
+    assert quota.message == (
+        "tenant quota of 100 KV-cache blocks in pool 'llama' is in use by this tenant's "
+        "requests in flight; retry later"
+    )
+    full = decide.refusal(Outcome.POOL_WATERMARK, CLAIM)
+    assert full is not None and full.code is Code.KV_CACHE_WATERMARK_EXCEEDED
+    assert full.message == "the KV cache of pool 'llama' is full; retry later"
+    for refusal in (quota, full):
+        assert (refusal.code.status, refusal.retry_after_s) == (429, decide.RETRY_AFTER_S)
+
+
+def test_an_unreachable_ledger_is_a_503_with_retry_after() -> None:
+    refusal = decide.unavailable()
+    assert (refusal.code, refusal.code.status) == (Code.LEDGER_UNAVAILABLE, 503)
+    assert refusal.retry_after_s == decide.RETRY_AFTER_S
+
+
+def test_shadow_mode_passes_capacity_refusals_never_malformed_input() -> None:
+    passing = {code for code in Code if decide.passes_in_shadow(True, code)}
+    assert passing == {
+        Code.TENANT_BLOCK_QUOTA_EXCEEDED,
+        Code.KV_CACHE_WATERMARK_EXCEEDED,
+        Code.REQUEST_EXCEEDS_CAPACITY,
+        Code.CAPACITY_UNKNOWN,
+        Code.LEDGER_UNAVAILABLE,
+    }
+    assert not any(decide.passes_in_shadow(False, code) for code in Code)
+
+
+# Runs in its own interpreter: an audit hook cannot be removed once added. The inputs are built
+# and one request decided before the hook goes in, so imports and first-use caches are done; the
+# hook then records every event of file, socket, process or OS access while a batch is decided.
+_AUDITED = textwrap.dedent(
+    """
+    import json, sys
+    from kvguard.admission import decide
+    from kvguard.admission.capacity import PoolCapacity
+    from kvguard.config.schema import Capacity, Pool, Tier
+    from kvguard.errors import Refusal
+    from kvguard.ledger import Outcome
+
+    pool = Pool(name="p", models=["m"], tokenizer="/t", max_model_len=2048, watermark=0.1,
+                capacity=Capacity(blocks=500, block_size=16))
+    tier = Tier(max_tokens_cap=256, default_max_tokens=64, max_blocks=120)
+    capacity = PoolCapacity(500, 16)
+    requests = [
+        decide.Counted(kind, limits, prompts, min_tokens, n)
+        for kind in ("chat", "completion")
+        for limits in ({}, {"max_tokens": 100}, {"max_tokens": 900, "max_completion_tokens": 9})
+        for prompts in ([1], [300, 20], [2047], [5000])
+        for min_tokens in (0, 70, 400)
+        for n in (1, 3)
+    ]
+
+    def batch():
+        outcomes = []
+        for i, request in enumerate(requests):
+            try:
+                known = decide.capacity_known("p", capacity if i % 7 else None)
+                plan = decide.plan(request, pool, f"t{i % 3}", tier, known)
+                claim = decide.claim(plan, f"lease-{i}", 30.0)
+            except Refusal as refusal:
+                outcomes.append(refusal.code.value)
+                continue
+            for outcome in Outcome:
+                refused = decide.refusal(outcome, claim)
+                outcomes.append(refused.code.value if refused else claim.blocks)
+            outcomes.append(decide.passes_in_shadow(True, decide.unavailable().code))
+        return outcomes
+
+    batch()
+    FAMILIES = ("socket.", "os.", "subprocess.", "shutil.", "tempfile.", "glob.", "pathlib.",
+                "http.", "urllib.", "ctypes.", "mmap.", "sqlite3.", "fcntl.", "signal.")
+    events, recording = [], True
+
+    def hook(event, args):
+        if recording and (event in ("open", "import") or event.startswith(FAMILIES)):
+            events.append(event)
+
+    sys.addaudithook(hook)
+    outcomes = batch()
+    recording = False
+    kinds = sorted(set(map(str, outcomes)))
+    print(json.dumps({"events": events, "decided": len(requests), "kinds": kinds}))
+    """
+)
+
+
+def test_the_decision_opens_no_file_and_no_socket() -> None:
+    """Deciding a batch of requests, past import, touches no file, socket, process or OS."""
+    done = subprocess.run(
+        [sys.executable, "-c", _AUDITED], capture_output=True, text=True, timeout=120, check=True
+    )
+    report = json.loads(done.stdout)
+    assert report["events"] == []
+    assert report["decided"] == 144  # a batch, not one request
+    # The batch reached every end: each refusal and each of the ledger's answers.
+    assert {
+        "capacity_unknown",
+        "context_length_exceeded",
+        "invalid_request",
+        "request_exceeds_capacity",
+        "tenant_block_quota_exceeded",
+        "kv_cache_watermark_exceeded",
+        "True",
+    } <= set(report["kinds"])
