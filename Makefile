@@ -34,7 +34,7 @@ test-fast: $(STAMP) $(PROTO) $(MODELS) $(KUBECTL)
 	$(BIN)/pytest -m "not integration and not live"
 
 # What kvguard adds to a request through the real Envoy: figures, not a test (about 10 min;
-# bench-results/overhead.json). README "What it costs" shows a run.
+# bench-results/overhead.json). docs/performance.md shows a run.
 bench: $(STAMP) $(PROTO) $(MODELS)
 	$(BIN)/python bench/bench_overhead.py
 
