@@ -1,12 +1,18 @@
-"""Shared test fixtures: real tokenizer files and configuration files written per test."""
+"""Shared test fixtures: the real tokenizers, configuration files written per test, a recording
+upstream and a refusing port."""
 
 from __future__ import annotations
 
+import socket
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+
+from kvguard.testing.upstream import RecordingUpstream
+from kvguard.tokens.tokenizer import PoolTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / ".cache" / "models"
@@ -66,3 +72,44 @@ def write_config(folder: Path, data: dict[str, Any]) -> Path:
     path = folder / "kvguard.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
+
+
+# The real tokenizers, and transformers' as the reference, loaded once per session.
+@pytest.fixture(scope="session")
+def qwen() -> PoolTokenizer:
+    return PoolTokenizer.load(model_dir("qwen"))
+
+
+@pytest.fixture(scope="session")
+def qwen_hf() -> Any:
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(model_dir("qwen"))
+
+
+@pytest.fixture(scope="session")
+def llama() -> PoolTokenizer:
+    return PoolTokenizer.load(model_dir("llama3.2"))
+
+
+@pytest.fixture(scope="session")
+def llama_hf() -> Any:
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(model_dir("llama3.2"))
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[RecordingUpstream]:
+    server = RecordingUpstream()
+    await server.start()
+    yield server
+    await server.stop()
+
+
+@pytest.fixture
+def refusing_port() -> Iterator[int]:
+    """A loopback port bound but not listening: connections to it are refused."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]

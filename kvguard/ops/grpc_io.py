@@ -6,7 +6,7 @@ loop. On the one CPU a sidecar has, each handoff is a context switch. With these
 experiments off, the polling thread does the I/O itself: fewer context switches and less kernel
 time per request (bench/bench_overhead.py measures kvguard's CPU per request).
 
-The experiments exist until gRPC removes them; tests/integration/test_grpc_io.py checks that
+The experiments exist until gRPC removes them; tests/ops/test_grpc_io.py checks that
 the pinned grpcio still honours them. A GRPC_EXPERIMENTS already in the environment wins.
 """
 

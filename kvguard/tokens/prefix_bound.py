@@ -21,7 +21,7 @@ combining mark any number of marks later when the marks between have a lower com
 is another word in the whole text ([4130, 4360] cut at 150 characters, [28854, 1953] whole, on
 Qwen). The count is still a lower bound there: those marks, `margin` or more of two bytes or
 more, are the whole text's too and hold more tokens than a word gains or loses when its last
-letter changes. tests/properties/test_prefix_bound.py holds the bound on counts, that case
+letter changes. tests/tokens/test_prefix_bound_properties.py holds the bound on counts, that case
 among its examples. A tokenizer whose words are not local (no pre-tokenizer: the text is one
 word) yields no such words; its text is then bounded by length or counted whole.
 """

@@ -32,7 +32,7 @@ from kvguard.testing.envoy import (
 )
 from kvguard.testing.vllm import VllmProcess
 from kvguard.testing.wait import wait_until
-from tests.integration.processes import kvguard_serve
+from tests.processes import kvguard_serve
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = ROOT / ".cache" / "models" / "qwen"

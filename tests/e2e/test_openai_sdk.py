@@ -1,0 +1,166 @@
+"""The openai SDK pointed at the real Envoy and kvguard: each refusal code raises the error class
+the SDK raises for OpenAI's own answer of that status, with kvguard's `code` and OpenAI's
+`type` on the exception."""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from kvguard.ledger import Claim
+from kvguard.testing.redis import RedisServer
+from tests.gateway import Gateway, gateway
+
+pytestmark = pytest.mark.integration
+
+MESSAGES = [{"role": "user", "content": "Say hello in French."}]
+MAX_MODEL_LEN = 256
+MAX_BODY_BYTES = 4000
+
+
+def refused_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+def client(gw: Gateway, tenant: str | None = "acme") -> openai.AsyncOpenAI:
+    headers = {"x-tenant-id": tenant} if tenant else {}
+    return openai.AsyncOpenAI(
+        base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, default_headers=headers
+    )
+
+
+async def hold(gw: Gateway, tenant: str, blocks: int) -> None:
+    """Reserve `blocks` of pool qwen for `tenant` directly in the ledger, as a request in
+    flight would."""
+    claim = Claim(uuid.uuid4().hex, "qwen", tenant, blocks, blocks, blocks, 60)
+    assert (await gw.service.ledger.reserve(claim)).lease is not None
+
+
+def with_a_pool_of_unknown_capacity(data: dict[str, Any]) -> None:
+    ghost = {**data["pools"][0], "name": "ghost", "models": ["ghost"]}
+    ghost["capacity"] = {"endpoints": [f"http://127.0.0.1:{refused_port()}"]}
+    data["pools"].append(ghost)
+
+
+Call = Callable[[Gateway], Awaitable[Any]]
+
+
+def chat(tenant: str | None = "acme", **fields: Any) -> Call:
+    async def call(gw: Gateway) -> Any:
+        async with client(gw, tenant) as sdk:
+            return await sdk.chat.completions.create(
+                **({"model": "qwen", "messages": MESSAGES} | fields)
+            )
+
+    return call
+
+
+def after(setup: Callable[[Gateway], Awaitable[None]], call: Call) -> Call:
+    async def both(gw: Gateway) -> Any:
+        await setup(gw)
+        return await call(gw)
+
+    return both
+
+
+# code -> (how to provoke it, the SDK's class, status, type)
+CASES: dict[str, tuple[Call, type[openai.APIStatusError], int, str]] = {
+    "model_not_found": (chat(model="gpt-9"), openai.NotFoundError, 404, "invalid_request_error"),
+    "invalid_request": (
+        chat(extra_body={"max_tokens": "many"}),
+        openai.BadRequestError,
+        400,
+        "invalid_request_error",
+    ),
+    "context_length_exceeded": (
+        chat(messages=[{"role": "user", "content": "word " * MAX_MODEL_LEN}]),
+        openai.BadRequestError,
+        400,
+        "invalid_request_error",
+    ),
+    "request_exceeds_capacity": (
+        chat(n=50, max_tokens=200),
+        openai.BadRequestError,
+        400,
+        "invalid_request_error",
+    ),
+    "unknown_tenant": (chat(tenant=None), openai.AuthenticationError, 401, "invalid_request_error"),
+    "request_too_large": (
+        chat(messages=[{"role": "user", "content": "x" * MAX_BODY_BYTES}]),
+        openai.APIStatusError,  # the SDK has no class of its own for 413
+        413,
+        "invalid_request_error",
+    ),
+    "capacity_unknown": (chat(model="ghost"), openai.InternalServerError, 503, "server_error"),
+    # pro's quota is 400 blocks; the request needs ceil((9 + 200) / 16) = 14 of them.
+    "tenant_block_quota_exceeded": (
+        after(lambda gw: hold(gw, "acme", 390), chat(max_tokens=200)),
+        openai.RateLimitError,
+        429,
+        "tokens",
+    ),
+    # The pool may hold 850 of its 1000 blocks; another tenant holds 840.
+    "kv_cache_watermark_exceeded": (
+        after(lambda gw: hold(gw, "globex", 840), chat(tenant="initech", max_tokens=200)),
+        openai.RateLimitError,
+        429,
+        "tokens",
+    ),
+}
+
+
+async def test_each_code_raises_the_sdks_error_class(tmp_path: Path) -> None:
+    async with gateway(
+        tmp_path,
+        edit=with_a_pool_of_unknown_capacity,
+        default_tier=None,
+        tenants={"acme": "pro", "globex": "pro", "initech": "pro"},
+        max_model_len=MAX_MODEL_LEN,
+        max_body_bytes=MAX_BODY_BYTES,
+    ) as gw:
+        async with client(gw) as sdk:  # the control: admitted
+            answer = await sdk.chat.completions.create(model="qwen", messages=MESSAGES)
+            assert answer.choices[0].message.content
+        raised = {}
+        for code, (call, _, _, _) in CASES.items():
+            with pytest.raises(openai.APIStatusError) as caught:
+                await call(gw)
+            raised[code] = caught.value
+            for held in await gw.service.ledger.leases("qwen"):  # the next case starts clean
+                await gw.service.ledger.release(held.lease)
+    for code, (_, error_class, status, error_type) in CASES.items():
+        error = raised[code]
+        assert type(error) is error_class, code
+        assert (error.status_code, error.code, error.type) == (status, code, error_type)
+        assert error.response.headers["x-kvguard-reason"] == code
+        if status == 429:
+            assert error.response.headers["retry-after"] == "1"
+
+
+@pytest.mark.redis
+async def test_ledger_unavailable_is_an_internal_server_error(tmp_path: Path) -> None:
+    with RedisServer(tmp_path / "redis") as redis:
+
+        def on_redis(data: dict[str, Any]) -> None:
+            data["ledger"]["url"] = redis.url
+
+        async with gateway(tmp_path, edit=on_redis) as gw, client(gw) as sdk:
+            redis.stop()
+            with pytest.raises(openai.InternalServerError) as caught:
+                await sdk.chat.completions.create(model="qwen", messages=MESSAGES)
+    error = caught.value
+    assert (error.status_code, error.code, error.type) == (
+        503,
+        "ledger_unavailable",
+        "server_error",
+    )
