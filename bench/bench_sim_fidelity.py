@@ -21,7 +21,7 @@ Two comparisons, on the same request streams:
    moments in real time): preemptions within max(2, 20 %) of the real count, completion order
    with Kendall's tau >= 0.8.
 
-Workloads: `design`: 16 x (809 prompt + 1500 output) 50 ms apart, DESIGN.md's measurement;
+Workloads: `design`: 16 x (809 prompt + 1500 output) 50 ms apart, the measurement of docs/design.md;
 `mixed`: 14 requests of 200-1500 prompt and 300-1500 output tokens (seeded), 0.25 s apart.
 
 Prints ok / OFF per figure (`--check` exits 1 when one is off) and writes

@@ -215,6 +215,13 @@ def _main(argv: list[str] | None) -> int:
         "demo", help="one burst on a simulated vLLM, unguarded and behind Envoy + kvguard"
     )
     demo.add_argument("--requests", type=int, default=16, help="requests per tenant")
+    demo.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=Path(".cache", "models", "qwen"),
+        metavar="DIR",
+        help="Qwen2.5's tokenizer files (default: %(default)s, where `make demo` puts them)",
+    )
     from kvguard.sim import standalone
     from kvguard.sim.simulate import add_arguments
 
@@ -249,7 +256,7 @@ def _main(argv: list[str] | None) -> int:
         return standalone.run_from_args(args)
     from kvguard.sim.demo import run_demo
 
-    return run_demo(requests_per_tenant=args.requests)
+    return run_demo(requests_per_tenant=args.requests, tokenizer=args.tokenizer)
 
 
 if __name__ == "__main__":

@@ -113,3 +113,21 @@ def refusing_port() -> Iterator[int]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         yield sock.getsockname()[1]
+
+
+# Fixtures that start a redis-server: a test that uses one must carry the `redis` marker, so
+# that `-m "not redis"` really runs without Redis.
+REDIS_FIXTURES = frozenset({"redis_server", "redis_cluster"})  # the others build on these
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    unmarked = [
+        item.nodeid
+        for item in items
+        if REDIS_FIXTURES & set(getattr(item, "fixturenames", ()))
+        and item.get_closest_marker("redis") is None
+    ]
+    if unmarked:
+        raise pytest.UsageError(
+            "tests that start a redis-server need @pytest.mark.redis: " + ", ".join(unmarked)
+        )

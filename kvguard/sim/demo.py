@@ -37,8 +37,8 @@ from kvguard.sim.load import Answer, Planned, send_all
 from kvguard.sim.report import percentile
 from kvguard.sim.server import SimServer
 
-# Where `make demo` (tools/fetch_tokenizers.py) puts the model's tokenizer files: relative to
-# the working directory, the root of a checkout.
+# Where `make demo` (tools/fetch_tokenizers.py) puts the model's tokenizer files, relative to
+# the working directory (a checkout's root); `kvguard demo --tokenizer DIR` names another.
 TOKENIZER = Path(".cache", "models", "qwen")
 MODEL = "qwen2.5-7b-instruct"
 ENGINE = EngineConfig(
@@ -150,11 +150,13 @@ async def _unguarded(burst: list[Planned]) -> tuple[list[Answer], SimServer]:
         await sim.stop()
 
 
-async def _guarded(burst: list[Planned], workdir: Path) -> tuple[list[Answer], SimServer, int, int]:
+async def _guarded(
+    burst: list[Planned], workdir: Path, tokenizer: Path
+) -> tuple[list[Answer], SimServer, int, int]:
     sim = SimServer(ENGINE, model=MODEL, natural_tokens=NATURAL_TOKENS)
     await sim.start()
     path = workdir / "kvguard.yaml"
-    path.write_text(yaml.safe_dump(demo_config(sim.url, TOKENIZER.resolve()), sort_keys=False))
+    path.write_text(yaml.safe_dump(demo_config(sim.url, tokenizer.resolve()), sort_keys=False))
     service = Service(configs.load(path, environ={}))
     await service.start()
     rendered = loopback_config(service.grpc.port, sim.port)
@@ -242,7 +244,7 @@ def _table(before: tuple[list[Answer], SimServer], after: tuple[list[Answer], Si
     return "\n".join(lines)
 
 
-async def _run(requests_per_tenant: int) -> int:
+async def _run(requests_per_tenant: int, tokenizer: Path) -> int:
     burst = plan(requests_per_tenant)
     print(
         f"vLLM simulator: {ENGINE.usable_blocks} KV blocks of {ENGINE.block_size} tokens, "
@@ -251,7 +253,7 @@ async def _run(requests_per_tenant: int) -> int:
     )
     unguarded = await _unguarded(burst)
     with tempfile.TemporaryDirectory(prefix="kvguard-demo-") as tmp:
-        answers, sim, peak, left = await _guarded(burst, Path(tmp))
+        answers, sim, peak, left = await _guarded(burst, Path(tmp), tokenizer)
     limit = PoolCapacity(ENGINE.usable_blocks, ENGINE.block_size).limit(0.15)
     print()
     print(_table(unguarded, (answers, sim)))
@@ -269,14 +271,16 @@ async def _run(requests_per_tenant: int) -> int:
     return 0 if left == 0 and not failed else 1
 
 
-def run_demo(requests_per_tenant: int = 16) -> int:
-    if not (TOKENIZER / "tokenizer.json").is_file():
+def run_demo(requests_per_tenant: int = 16, tokenizer: Path = TOKENIZER) -> int:
+    if not (tokenizer / "tokenizer.json").is_file():
         print(
-            f"missing {TOKENIZER.resolve()}: run `make demo` in a kvguard checkout "
-            "(it fetches the tokenizer files)"
+            f"kvguard demo: no tokenizer.json in {tokenizer.resolve()}: run `make demo` in a "
+            "kvguard checkout (it fetches the tokenizer files), or give --tokenizer DIR with "
+            "Qwen2.5's tokenizer files",
+            file=sys.stderr,
         )
         return 1
     import uvloop
 
     logging.getLogger().setLevel(logging.WARNING)  # the table says it all; warnings still show
-    return uvloop.run(_run(requests_per_tenant))
+    return uvloop.run(_run(requests_per_tenant, tokenizer))

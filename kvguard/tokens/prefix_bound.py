@@ -151,8 +151,8 @@ class PrefixBound:
         return 0
 
     def _normalized_floor(self, text: str, stop_at: int) -> int:
-        """`floor`, from the normalized text where it takes normalizing (~45 ns a character)
-        and the text could reach `stop_at`."""
+        """`floor`, from the normalized text where it takes normalizing (which costs time per
+        character) and the text could reach `stop_at`."""
         known = self.floor(text)
         if known or self.per_token is None or not self._any_text:
             return known

@@ -222,3 +222,17 @@ def test_the_decision_opens_no_file_and_no_socket() -> None:
         "kv_cache_watermark_exceeded",
         "True",
     } <= set(report["kinds"])
+
+
+def test_importing_the_decision_loads_no_ledger_backend_and_no_network_library() -> None:
+    # import-linter sees imports between modules; this sees what Python really loads, parent
+    # packages' __init__ included.
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import json, sys, kvguard.admission.decide; "
+         "print(json.dumps(sorted(sys.modules)))"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    modules = json.loads(loaded.stdout)
+    forbidden = ("kvguard.ledger.", "grpc", "aiohttp", "redis", "kvguard.ops", "kvguard.extproc")
+    assert [m for m in modules if m.startswith(forbidden)] == []
+    assert "kvguard.ledger" in modules  # the contract module (Claim, Outcome) is the one it uses

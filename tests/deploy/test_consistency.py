@@ -1,4 +1,4 @@
-"""The manifests agree with kvguard's configuration and with DESIGN.md's deployment shape:
+"""The manifests agree with kvguard's configuration and with docs/deployment.md's shape:
 ports, names, the tenant header, the ledger, probes, drain, hardening, and vLLM's flags."""
 
 from __future__ import annotations

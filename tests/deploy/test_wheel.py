@@ -173,3 +173,13 @@ def test_kvguard_runs_from_the_installed_wheel_alone(wheel: Path, installed: Pat
             assert path.is_relative_to(package), (where, value)
         else:
             assert ".." not in path.parts, (where, value)
+
+
+def test_the_installed_demo_asks_for_its_tokenizer_instead_of_failing(installed: Path) -> None:
+    # Outside a checkout the default tokenizer folder is absent: a clear error, no traceback.
+    demo = run_installed(installed, "-m", "kvguard", "demo", "--tokenizer", "no-such-folder")
+    assert demo.returncode == 1, demo.stdout + demo.stderr
+    assert "no tokenizer.json in" in demo.stderr and "--tokenizer DIR" in demo.stderr
+    assert "Traceback" not in demo.stderr
+    usage = run_installed(installed, "-m", "kvguard", "demo", "--help")
+    assert usage.returncode == 0 and "--tokenizer DIR" in usage.stdout

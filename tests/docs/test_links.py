@@ -108,3 +108,15 @@ def test_the_layout_names_existing_modules() -> None:
     named = layout_modules(layout)
     assert "kvguard/admission/leases.py" in named and "kvguard/cli.py" in named
     assert [path for path in named if not (ROOT / path).is_file()] == []
+
+
+def test_the_layout_names_every_package_and_top_level_module() -> None:
+    (layout,) = [b.text for b in split_fences(read(DESIGN))[0] if b.text.startswith("kvguard/\n")]
+    lines = layout.split("\n")[1:]
+    tree = lines[: next((i for i, line in enumerate(lines) if not line.startswith(" ")), None)]
+    packages = {m.group(1) for line in tree if (m := re.match(r"  (\w+)/", line))}
+    named = set(layout_modules(layout))
+    package_dir = ROOT / "kvguard"
+    assert packages >= {p.name for p in package_dir.iterdir() if (p / "__init__.py").is_file()}
+    top = {f"kvguard/{p.name}" for p in package_dir.glob("*.py") if not p.name.startswith("__")}
+    assert top - named == set()

@@ -1,5 +1,5 @@
 """Property-based: whatever a client sends, every ext_proc stream ends in a valid pass or in a
-response from DESIGN.md's status table, never a gRPC error, and the ledger returns to zero.
+response from docs/design.md's status table, never a gRPC error, and the ledger returns to zero.
 
 The kvguard service runs on its own event loop in a thread; hypothesis drives real gRPC streams.
 """
