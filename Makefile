@@ -7,7 +7,7 @@ MODELS := .cache/models/qwen/tokenizer.json .cache/models/llama3.2/tokenizer.jso
 PROTO := kvguard/v1/admin_pb2.py
 KUBECTL := .cache/tools/kubectl
 
-.PHONY: demo test test-main test-fast test-live lint bench lock clean
+.PHONY: demo test test-main test-fast test-live lint bench bench-sim lock clean
 
 # The main job: Envoy + kvguard (memory ledger) + a local OpenAI-style upstream, one burst.
 demo: $(STAMP) $(PROTO) $(MODELS)
@@ -37,6 +37,11 @@ test-fast: $(STAMP) $(PROTO) $(MODELS) $(KUBECTL)
 # bench-results/overhead.json). docs/performance.md shows a run.
 bench: $(STAMP) $(PROTO) $(MODELS)
 	$(BIN)/python bench/bench_overhead.py
+
+# The simulator's published figures: every admission policy on the shared traces at rate
+# scales 1-8 (a few minutes; bench-results/sim_policies.txt). docs/simulator.md shows a run.
+bench-sim: $(STAMP)
+	$(BIN)/python bench/sim/run.py
 
 lint: $(STAMP) $(PROTO)
 	$(BIN)/ruff check kvguard tests tools bench

@@ -226,7 +226,7 @@ def _main(argv: list[str] | None) -> int:
     from kvguard.sim.simulate import add_arguments
 
     add_arguments(
-        commands.add_parser("simulate", help="replay a trace with and without kvguard's policy")
+        commands.add_parser("simulate", help="replay a trace under admission policies side by side")
     )
     standalone.add_arguments(
         commands.add_parser(

@@ -55,6 +55,7 @@ class Plan:
     blocks: int  # KV blocks of the pool's block size, for every prompt and sequence
     quota: int  # most blocks the tenant may hold in the pool
     pool_limit: int  # most blocks the pool may hold: capacity less the watermark
+    reserved_output: int  # output tokens each sequence reserves: the limit, or less
 
 
 def capacity_known(pool: str, capacity: PoolCapacity | None) -> PoolCapacity:
@@ -68,10 +69,21 @@ def capacity_known(pool: str, capacity: PoolCapacity | None) -> PoolCapacity:
     return capacity
 
 
-def plan(request: Counted, pool: Pool, tenant: str, tier: Tier, capacity: PoolCapacity) -> Plan:
+def plan(
+    request: Counted,
+    pool: Pool,
+    tenant: str,
+    tier: Tier,
+    capacity: PoolCapacity,
+    reserve_output: int | None = None,
+) -> Plan:
     """Size `request` for `tenant` of `tier` in `pool`: clamp or inject the output limit and
-    turn prompt + output into blocks. Raises Refusal when the prompt leaves no room for output
-    or `min_tokens` cannot be honoured."""
+    turn prompt + reserved output into blocks. Raises Refusal when the prompt leaves no room for
+    output or `min_tokens` cannot be honoured.
+
+    `reserve_output` is the output each sequence reserves, in tokens: None reserves the whole
+    limit (the worst case, what `serve` does); a reservation policy's estimate is capped by the
+    limit and raised to `min_tokens` (and to one token)."""
     limits = clamp(
         request.kind,
         request.limits,
@@ -80,8 +92,12 @@ def plan(request: Counted, pool: Pool, tenant: str, tier: Tier, capacity: PoolCa
         max(request.prompt_tokens),
         request.min_tokens,
     )
-    blocks = blocks_needed(request.prompt_tokens, limits.max_tokens, request.n, capacity.block_size)
-    return Plan(pool.name, tenant, limits, blocks, tier.max_blocks, capacity.limit(pool.watermark))
+    reserved = limits.max_tokens
+    if reserve_output is not None:
+        reserved = max(1, request.min_tokens, min(reserve_output, limits.max_tokens))
+    blocks = blocks_needed(request.prompt_tokens, reserved, request.n, capacity.block_size)
+    pool_limit = capacity.limit(pool.watermark)
+    return Plan(pool.name, tenant, limits, blocks, tier.max_blocks, pool_limit, reserved)
 
 
 def claim(plan: Plan, lease_id: str, lease_seconds: float) -> Claim:

@@ -58,6 +58,14 @@ def identify(tenancy: Tenancy, tenant: str) -> Identity | None:
     return Identity(tenant, tier_name, tenancy.tiers[tier_name])
 
 
+def known(tenancy: Tenancy, tenant: str) -> Identity:
+    """The tenant's identity; refused with 401 unknown_tenant when it has none."""
+    identity = identify(tenancy, tenant)
+    if identity is None:
+        raise Refusal(Code.UNKNOWN_TENANT, "the request carries no known tenant identity")
+    return identity
+
+
 def identify_request(policy: Policy, headers: Mapping[str, str]) -> Identity:
     """The tenant of a request, by the configured header or by its API key's sha256.
 
@@ -71,10 +79,7 @@ def identify_request(policy: Policy, headers: Mapping[str, str]) -> Identity:
         scheme, _, key = headers.get("authorization", "").partition(" ")
         digest = hashlib.sha256(key.strip().encode()).hexdigest()
         tenant = tenancy.api_keys.get(digest, "") if scheme.lower() == "bearer" else ""
-    identity = policy.identify(tenant)
-    if identity is None:
-        raise Refusal(Code.UNKNOWN_TENANT, "the request carries no known tenant identity")
-    return identity
+    return known(tenancy, tenant)
 
 
 # A file as the tokenizer cache knows it: resolved path, inode, mtime (ns) and size; None when

@@ -3,14 +3,17 @@
 Time jumps from event to event: an engine step lasts its modelled cost, an idle engine waits
 for the next arrival. A request is decided when it arrives (by the gate, when there is one),
 joins the engine's waiting queue, and is picked up by the next step. Finished requests release
-their lease when their step ends. Every request asks for exactly its trace output
-(`ignore_eos`), as a trace replay does. Refused requests are not retried unless asked to.
+their lease when their step ends. A request sends the trace's `max_tokens` (or none) and its
+answer stops at the trace's output length, or at the limit the engine applies when that is less:
+kvguard's clamped or injected one when gated, else the client's, else vLLM's own default
+(max_model_len less the prompt). Refused requests are not retried unless asked to.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -41,6 +44,33 @@ class Outcome:
 
 
 @dataclass
+class KvUse:
+    """KV blocks the engine holds and the ledger reserves during each step, weighted by the
+    step's duration: means over the time the engine is busy, and peaks."""
+
+    busy_s: float = 0.0
+    used_block_s: float = 0.0
+    reserved_block_s: float = 0.0
+    used_peak: int = 0
+    reserved_peak: int = 0
+
+    def add(self, seconds: float, used: int, reserved: int) -> None:
+        self.busy_s += seconds
+        self.used_block_s += used * seconds
+        self.reserved_block_s += reserved * seconds
+        self.used_peak = max(self.used_peak, used)
+        self.reserved_peak = max(self.reserved_peak, reserved)
+
+    @property
+    def used_mean(self) -> float:
+        return self.used_block_s / self.busy_s if self.busy_s else 0.0
+
+    @property
+    def reserved_mean(self) -> float:
+        return self.reserved_block_s / self.busy_s if self.busy_s else 0.0
+
+
+@dataclass
 class Run:
     label: str
     outcomes: list[Outcome] = field(default_factory=list)
@@ -49,6 +79,7 @@ class Run:
     reserved: list[tuple[float, int]] = field(default_factory=list)  # ledger blocks (guarded)
     end_s: float = 0.0
     preemptions: int = 0
+    kv: KvUse = field(default_factory=KvUse)
 
 
 class _Clock:
@@ -66,8 +97,11 @@ async def replay(
     *,
     label: str,
     retries: int = 0,
+    reserve: Callable[[TraceRequest], int | None] | None = None,
 ) -> Run:
-    """Run `requests` (sorted by arrival) through a fresh engine; guarded when a gate is made.
+    """Run `requests` (sorted by arrival) through a fresh engine; guarded when a gate is made,
+    each request reserving `reserve(request)` output tokens (None, or no `reserve`: its whole
+    limit).
 
     A request refused with a 429 comes back after `retry-after` seconds, `retries` times at
     most; its TTFT counts from its first arrival.
@@ -88,11 +122,13 @@ async def replay(
     async def arrive(at: float, index: int, attempt: int) -> None:
         request = requests[index]
         clock.now = at
-        if gate is None:
-            verdict = Verdict("", request.output_tokens)
-        else:
-            verdict = await gate.admit(request)
         room = config.max_model_len - request.prompt_tokens
+        if gate is None:
+            limit = request.max_tokens if request.max_tokens is not None else max(room, 1)
+            verdict = Verdict("", limit)
+        else:
+            reserved = reserve(request) if reserve is not None else None
+            verdict = await gate.admit(request, reserve_output=reserved)
         if verdict.refused is None and verdict.max_tokens > room:
             # vLLM itself answers 400: prompt + max_tokens above max_model_len.
             if gate is not None and verdict.lease is not None:
@@ -112,7 +148,12 @@ async def replay(
         if verdict.refused is not None:
             return
         outcome.seq = Sequence(
-            str(index), request.prompt_tokens, verdict.max_tokens, arrival=at, tenant=request.tenant
+            str(index),
+            request.prompt_tokens,
+            verdict.max_tokens,
+            arrival=at,
+            tenant=request.tenant,
+            stop_after=request.output_tokens,
         )
         engine.add(outcome.seq)
         open_leases[outcome.seq.uid] = verdict
@@ -132,6 +173,11 @@ async def replay(
             at, _, index, attempt = heapq.heappop(arrivals)
             await arrive(at, index, attempt)
         now = clock.now = result.end
+        # What the step held: the engine freed the finished sequences' blocks as it ended, and
+        # their leases are released next.
+        freed = sum(math.ceil(seq.computed / config.block_size) for seq in result.finished)
+        used = min(engine.pool.used + freed, config.usable_blocks)
+        run.kv.add(result.end - result.start, used, gate.held if gate else 0)
         for seq in result.finished:
             verdict = open_leases.pop(seq.uid)
             if gate is not None and verdict.lease is not None:

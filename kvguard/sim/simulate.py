@@ -1,10 +1,12 @@
-"""`kvguard simulate`: replay a trace with and without kvguard's policy and compare.
+"""`kvguard simulate`: replay a trace under several admission policies side by side.
 
 The simulated pool is the configuration's pools[0]: its static capacity (usable blocks and
 block size; a discovered pool needs --blocks and --block-size), its watermark and
 max_model_len, and the tenancy's tiers. The engine's scheduling settings and step costs are
 options (defaults: vLLM's OpenAI-server defaults on GPUs under 70 GiB, max_num_seqs 256 and
-max_num_batched_tokens 2048 (H100/H200: 1024 and 8192), and rough 7-8B step costs).
+max_num_batched_tokens 2048 (H100/H200: 1024 and 8192), and rough 7-8B step costs). Every
+policy (policies.py) replays the same trace on the same engine model, at each rate scale
+(sweep.py); report.py makes the tables.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from pathlib import Path
 
 from kvguard import config as configs
 from kvguard.admission.capacity import PoolCapacity
+from kvguard.sim import sweep
 from kvguard.sim.engine import EngineConfig, StepCost
-from kvguard.sim.gate import PolicyGate
-from kvguard.sim.replay import Run, replay
-from kvguard.sim.report import table
+from kvguard.sim.policies import POLICIES, by_names
+from kvguard.sim.replay import Run
+from kvguard.sim.report import DEFAULT_TTFT_SLO_S, PolicyStats, policy_table, tenant_table
+from kvguard.sim.sweep import QUIET_RATE, QUIET_TENANT
 from kvguard.sim.trace import Trace, TraceError, load
 
 DEFAULT_COST = StepCost()
@@ -40,6 +44,14 @@ class Options:
     cost: StepCost = DEFAULT_COST
     prefix_caching: bool = False  # trace prompts share nothing
     retries: int = 0  # times a request refused with a 429 comes back after retry-after
+    policies: tuple[str, ...] = tuple(POLICIES)
+    sweep: tuple[float, ...] = ()  # rate scales, in place of rate_scale
+    ttft_slo_s: float = DEFAULT_TTFT_SLO_S
+    quiet_tenant: bool = False
+
+    @property
+    def scales(self) -> tuple[float, ...]:
+        return self.sweep or (self.rate_scale,)
 
 
 def pool_capacity(config: configs.Config, options: Options) -> PoolCapacity:
@@ -68,59 +80,97 @@ def engine_config(config: configs.Config, capacity: PoolCapacity, options: Optio
     )
 
 
-async def compare(
+async def measure(
     trace: Trace,
     config: configs.Config,
     capacity: PoolCapacity,
     engine: EngineConfig,
-    retries: int = 0,
-) -> tuple[Run, Run]:
-    unguarded = await replay(trace.requests, engine, None, label="unguarded")
-    guarded = await replay(
-        trace.requests,
+    options: Options,
+) -> tuple[list[PolicyStats], list[Run]]:
+    """Each of the options' policies at each of its rate scales (sweep.measure)."""
+    return await sweep.measure(
+        trace,
+        config,
+        capacity,
         engine,
-        lambda clock: PolicyGate(config, capacity, clock),
-        label="kvguard",
-        retries=retries,
+        policies=by_names(",".join(options.policies)),
+        scales=options.scales,
+        retries=options.retries,
+        slo_s=options.ttft_slo_s,
+        quiet_tenant=options.quiet_tenant,
     )
-    return unguarded, guarded
 
 
 def describe(trace: Trace, options: Options, capacity: PoolCapacity, config: configs.Config,
              engine: EngineConfig) -> str:  # fmt: skip
+    """The replay's setting. `trace` is scaled when there is one rate scale, else as read."""
     pool = config.pools[0]
     cost = engine.cost
     rate = len(trace.requests) / max(trace.duration_s, 1e-9)
+    if options.sweep:
+        scaling = ", rate scales " + ", ".join(f"{s:g}" for s in options.sweep)
+    else:
+        scaling = f", rate scale {options.rate_scale:g}" if options.rate_scale != 1 else ""
     tiers = ", ".join(
-        f"{name} (cap {t.max_tokens_cap}, {t.max_blocks} blocks)"
+        f"{name} (cap {t.max_tokens_cap}, default {t.default_max_tokens}, {t.max_blocks} blocks)"
         for name, t in config.tenancy.tiers.items()
     )
-    return "\n".join(
-        [
-            f"trace {options.trace}: {trace.format}, {len(trace.requests)} requests from "
-            f"{len(trace.tenants)} tenant(s) over {trace.duration_s:.0f} s ({rate:.2f} req/s"
-            + (f", rate scale {options.rate_scale:g}" if options.rate_scale != 1 else "")
-            + ")",
-            f"pool {pool.name}: {capacity.blocks} blocks of {capacity.block_size} tokens, "
-            f"watermark {pool.watermark} (kvguard admits up to "
-            f"{capacity.limit(pool.watermark)} blocks), max_model_len {engine.max_model_len}",
-            f"tiers: {tiers}",
-            f"engine: max_num_seqs {engine.max_num_seqs}, max_num_batched_tokens "
-            f"{engine.max_num_batched_tokens}, step {cost.base_s * 1e3:g} ms + "
-            f"{cost.prefill_token_s * 1e3:g} ms/prefill token + "
-            f"{cost.decode_seq_s * 1e3:g} ms/decoding sequence",
-        ]
-    )
+    limits = sum(1 for r in trace.requests if r.max_tokens is not None)
+    lines = [
+        f"trace {options.trace}: {trace.format}, {len(trace.requests)} requests from "
+        f"{len(trace.tenants)} tenant(s) over {trace.duration_s:.0f} s ({rate:.2f} req/s"
+        f"{scaling}); {limits} send max_tokens, the others the tier default",
+        f"pool {pool.name}: {capacity.blocks} blocks of {capacity.block_size} tokens, "
+        f"watermark {pool.watermark} (kvguard admits up to "
+        f"{capacity.limit(pool.watermark)} blocks), max_model_len {engine.max_model_len}",
+        f"tiers: {tiers}",
+        f"engine: max_num_seqs {engine.max_num_seqs}, max_num_batched_tokens "
+        f"{engine.max_num_batched_tokens}, step {cost.base_s * 1e3:g} ms + "
+        f"{cost.prefill_token_s * 1e3:g} ms/prefill token + "
+        f"{cost.decode_seq_s * 1e3:g} ms/decoding sequence",
+        "policies: " + "; ".join(f"{n} ({POLICIES[n].summary})" for n in options.policies),
+    ]
+    if options.quiet_tenant:
+        tier = config.tenancy.tier_of(QUIET_TENANT) or "none: refused when gated"
+        lines.append(
+            f"quiet tenant {QUIET_TENANT!r} (tier {tier}): {QUIET_RATE:g} req/s of the trace's "
+            "median prompt and output, its p99 TTFT beside the trace and alone"
+        )
+    return "\n".join(lines)
+
+
+def _numbers(text: str, option: str) -> tuple[float, ...]:
+    try:
+        numbers = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        numbers = ()
+    if not numbers or not all(n > 0 for n in numbers):
+        raise ValueError(f"{option} {text!r}: expected positive numbers separated by commas")
+    return numbers
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = Options("", "")
     parser.add_argument("--trace", required=True, help="azure2023 / vtc_lmsys CSV, or CSV/JSONL "
-                        "with arrival_s,[tenant,]prompt_tokens,output_tokens")  # fmt: skip
+                        "with arrival_s,[tenant,]prompt_tokens,output_tokens; any may add "
+                        "max_tokens (empty or absent: the client sent none)")  # fmt: skip
     parser.add_argument("--config", required=True, help="kvguard YAML configuration")
+    parser.add_argument(
+        "--policies",
+        default=",".join(defaults.policies),
+        help=f"policies to replay side by side, of {', '.join(POLICIES)} (default: all)",
+    )
     parser.add_argument("--plot", help="write a PNG of KV usage and admissions over time")
     parser.add_argument("--rate-scale", type=float, default=1.0,
                         help="compress arrivals by this factor (2: twice the rate)")  # fmt: skip
+    parser.add_argument("--sweep", help="rate scales to run, e.g. 1,2,4,8 (in place of "
+                        "--rate-scale): one table of every policy at each")  # fmt: skip
+    parser.add_argument("--ttft-slo", type=float, default=defaults.ttft_slo_s,
+                        help="goodput counts requests whose TTFT is within this, in seconds "
+                        "(default %(default)g)")  # fmt: skip
+    parser.add_argument("--quiet-tenant", action="store_true",
+                        help=f"add a tenant {QUIET_TENANT!r} sending {QUIET_RATE:g} req/s and "
+                        "report its p99 TTFT against it replayed alone")  # fmt: skip
     parser.add_argument("--limit", type=int, help="replay only the first N requests")
     parser.add_argument(
         "--retries",
@@ -160,6 +210,14 @@ def run_from_args(args: argparse.Namespace) -> int:
             f"error: --step-cost {args.step_cost!r}: expected three numbers (ms)", file=sys.stderr
         )
         return 2
+    try:
+        policies = tuple(p.name for p in by_names(args.policies))
+        sweep = _numbers(args.sweep, "--sweep") if args.sweep else ()
+        if args.ttft_slo <= 0:
+            raise ValueError(f"--ttft-slo {args.ttft_slo:g}: expected seconds above 0")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return run(
         Options(
             trace=args.trace,
@@ -174,6 +232,10 @@ def run_from_args(args: argparse.Namespace) -> int:
             cost=StepCost(base, prefill, decode),
             prefix_caching=args.prefix_caching,
             retries=args.retries,
+            policies=policies,
+            sweep=sweep,
+            ttft_slo_s=args.ttft_slo,
+            quiet_tenant=args.quiet_tenant,
         )
     )
 
@@ -182,8 +244,12 @@ def run(options: Options) -> int:
     try:
         config = configs.load(options.config)
         capacity = pool_capacity(config, options)
-        trace = load(options.trace, limit=options.limit).scaled(options.rate_scale)
+        trace = load(options.trace, limit=options.limit)
+        shown = trace if options.sweep else trace.scaled(options.rate_scale)
         engine = engine_config(config, capacity, options)
+        if options.quiet_tenant and QUIET_TENANT in trace.tenants:
+            raise TraceError(f"{options.trace}: has a tenant {QUIET_TENANT!r} already, the "
+                             "name --quiet-tenant gives its own")  # fmt: skip
     except configs.ConfigError as exc:
         for problem in exc.problems:
             print(f"error: {problem}", file=sys.stderr)
@@ -194,16 +260,18 @@ def run(options: Options) -> int:
     except ValueError as exc:
         print(f"error: {options.config}: {exc}", file=sys.stderr)
         return 1
-    print(describe(trace, options, capacity, config, engine) + "\n")
-    unguarded, guarded = asyncio.run(compare(trace, config, capacity, engine, options.retries))
-    tier_of = {t: config.tenancy.tier_of(t) or "" for t in trace.tenants}
-    print(table(unguarded, guarded, tier_of))
+    print(describe(shown, options, capacity, config, engine) + "\n")
+    rows, runs = asyncio.run(measure(trace, config, capacity, engine, options))
+    if not options.sweep:
+        tier_of = {t: config.tenancy.tier_of(t) or "" for t in shown.tenants}
+        print(tenant_table(runs, tier_of, options.ttft_slo_s) + "\n")
+    print(policy_table(rows, options.ttft_slo_s))
     if options.plot:
         try:
             from kvguard.sim.plot import plot
         except ImportError:
             print("error: --plot needs matplotlib: pip install 'kvguard[plot]'", file=sys.stderr)
             return 1
-        plot(Path(options.plot), unguarded, guarded, capacity, config.pools[0].watermark)
+        plot(Path(options.plot), runs, capacity, config.pools[0].watermark)
         print(f"\nplot: {options.plot}")
     return 0

@@ -8,6 +8,9 @@ The format is told by the header (the keys of the first JSON line):
 | vtc_lmsys | req_time_s, tenant, prompt_len, output_len (the VTC artifact's LMSYS trace) |
 | plain | arrival_s, [tenant,] prompt_tokens, output_tokens (CSV, or JSON lines) |
 
+Any format may add a `max_tokens` column: the output limit the client sent (a whole number, at
+least 1). Where it is absent or empty the client sent none, and kvguard injects the tier's
+default. The output tokens are what the answer really produces: it stops there, or at the limit.
 Without a tenant column every request belongs to the tenant "default". Arrivals are seconds
 from the first request (numbers, or ISO dates and times: all with a timezone or all without);
 rows must come in order of arrival. Token counts are whole numbers, not
@@ -28,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 SINGLE_TENANT = "default"
+MAX_TOKENS = "max_tokens"  # the optional column of the client's output limit, in every format
 
 
 class TraceError(ValueError):
@@ -39,7 +43,8 @@ class TraceRequest:
     arrival_s: float
     tenant: str
     prompt_tokens: int
-    output_tokens: int
+    output_tokens: int  # what the answer produces when nothing cuts it short
+    max_tokens: int | None = None  # the limit the client sent; None: it sent none
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +179,18 @@ def _tokens(column: str, value: Any) -> int:
     return max(1, int(count))
 
 
+def _limit(value: Any) -> int | None:
+    """The client's output limit: None when absent or empty, else a whole number, at least 1."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    count, shown = _number(MAX_TOKENS, value)
+    if not count.is_integer():
+        raise ValueError(f"{MAX_TOKENS} is {shown}: token counts are whole numbers")
+    if count < 1:
+        raise ValueError(f"{MAX_TOKENS} is {shown}: a limit is at least 1 token")
+    return int(count)
+
+
 def parse(text: str, source: str, *, limit: int | None = None) -> Trace:
     """Read trace `text` (`source` names it in errors); keep the first `limit` rows.
 
@@ -207,6 +224,7 @@ def parse(text: str, source: str, *, limit: int | None = None) -> Trace:
                         str(tenant or SINGLE_TENANT),
                         _tokens(columns_of.prompt, row.get(columns_of.prompt)),
                         _tokens(columns_of.output, row.get(columns_of.output)),
+                        _limit(row.get(MAX_TOKENS)),
                     )
                 )
             except ValueError as exc:

@@ -1,13 +1,14 @@
 """Property-based: `kvguard simulate` (sim.gate.PolicyGate) and `kvguard serve`
 (admission.admit.Admission with a memory ledger) decide every request alike.
 
-Configurations are random: tiers (cap, default, quota), whether unknown tenants get a default
-tier, max_model_len, block size, capacity and watermark. So are the requests: several tenants,
+Configurations are random: shadow mode, tiers (cap, default, quota), whether unknown tenants
+get a default tier, max_model_len, block size, capacity and watermark. So are the requests: several tenants,
 prompts that may fill the context, outputs sent as max_tokens or left to the tier's default,
 with some admitted requests released in between. Serve gets what Envoy would send it (the
 tenant header, a completion body) and a counter that returns the request's prompt count; the
-gate gets the trace request. Both must give the same refusal code (or none), the same output
-limit, the same blocks, and leave their ledgers holding the same blocks per tenant.
+gate gets the trace request (its `max_tokens` column set or empty). Both must give the same
+refusal code (or none), the same output limit, the same blocks, and leave their ledgers holding
+the same blocks per tenant. A reservation policy's smaller reservation changes only the blocks.
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ import json
 from dataclasses import dataclass
 from typing import Any, cast
 
+import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from kvguard.admission import decide
 from kvguard.admission.admit import Admission, AdmissionSettings
 from kvguard.admission.capacity import Capacities, PoolCapacity
+from kvguard.admission.estimate import blocks_needed
 from kvguard.admission.leases import Lease
 from kvguard.admission.policy import Policy, PoolPolicy, identify_request
 from kvguard.admission.record import Decision
@@ -102,7 +106,7 @@ def cases(draw: st.DrawFn) -> tuple[Config, list[Ask | Release]]:
     release = st.builds(Release, st.integers(0, 50))
     step = st.integers(0, 5).flatmap(lambda k: release if k == 0 else ask)  # 1 in 6 releases
     steps = draw(st.lists(step, min_size=10, max_size=40))
-    return Config(tenancy=tenancy, pools=[pool]), steps
+    return Config(tenancy=tenancy, pools=[pool], shadow=draw(st.booleans())), steps
 
 
 def serve(config: Config) -> tuple[Admission, Policy, MemoryLedger, GivenCount]:
@@ -137,8 +141,9 @@ async def both_decide(config: Config, steps: list[Ask | Release]) -> None:
                 await gate.release(simulated)
                 await ledger.release(served)
             continue
-        request = TraceRequest(0.0, step.tenant, step.prompt_tokens, step.output_tokens)
-        verdict = await gate.admit(request, sends_max_tokens=step.sends_max_tokens)
+        sent = step.output_tokens if step.sends_max_tokens else None
+        request = TraceRequest(0.0, step.tenant, step.prompt_tokens, step.output_tokens, sent)
+        verdict = await gate.admit(request)
         event(verdict.refused or "admitted")
         body: dict[str, Any] = {"model": MODEL, "prompt": "x"}
         if step.sends_max_tokens:
@@ -156,6 +161,11 @@ async def both_decide(config: Config, steps: list[Ask | Release]) -> None:
                 assert verdict.max_tokens == decision.max_tokens, step
             continue
         assert verdict.refused is None, (step, verdict)
+        if admitted.would_refuse is not None:  # shadow mode: passed as sent, without a lease
+            assert verdict.would_refuse == admitted.would_refuse.value, step
+            assert verdict.lease is None and admitted.lease is None and admitted.body is None
+            continue
+        assert verdict.would_refuse is None, (step, verdict)
         assert verdict.lease is not None and admitted.lease is not None
         sent = json.loads(admitted.body)["max_tokens"] if admitted.body else step.output_tokens
         assert verdict.max_tokens == decision.max_tokens == sent, step
@@ -176,3 +186,37 @@ async def same_usage(gate: PolicyGate, ledger: MemoryLedger) -> None:
 @given(case=cases())
 def test_simulate_and_serve_decide_the_same(case: tuple[Config, list[Ask | Release]]) -> None:
     asyncio.run(both_decide(*case))
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(
+    case=cases(),
+    prompt=st.integers(1, 600),
+    sent=st.none() | st.integers(1, 2000),
+    reserve=st.integers(-5, 2100),
+)
+def test_a_smaller_reservation_changes_only_the_blocks(
+    case: tuple[Config, list[Ask | Release]], prompt: int, sent: int | None, reserve: int
+) -> None:
+    """`decide.plan` with `reserve_output` (a reservation policy's estimate) keeps the limits
+    `serve` applies and reserves the estimate, capped by the limit and at least 1 token."""
+    config = case[0]
+    pool, tier = config.pools[0], next(iter(config.tenancy.tiers.values()))
+    assert pool.capacity.blocks is not None and pool.capacity.block_size is not None
+    capacity = PoolCapacity(pool.capacity.blocks, pool.capacity.block_size)
+    counted = decide.Counted("completion", {} if sent is None else {"max_tokens": sent}, [prompt])
+    try:
+        worst = decide.plan(counted, pool, "a", tier, capacity)
+    except Refusal as refusal:
+        with pytest.raises(Refusal) as caught:
+            decide.plan(counted, pool, "a", tier, capacity, reserve)
+        assert caught.value.code == refusal.code
+        return
+    estimated = decide.plan(counted, pool, "a", tier, capacity, reserve)
+    assert estimated.limits == worst.limits and worst.reserved_output == worst.limits.max_tokens
+    assert estimated.reserved_output == max(1, min(reserve, worst.limits.max_tokens))
+    assert estimated.blocks == blocks_needed(
+        [prompt], estimated.reserved_output, 1, capacity.block_size
+    )
+    assert estimated.blocks <= worst.blocks
+    assert (estimated.quota, estimated.pool_limit) == (worst.quota, worst.pool_limit)

@@ -65,12 +65,15 @@ async def test_vtc_slice_under_overload_with_a_plot(tmp_path: Path) -> None:
     assert "pool qwen: 300 blocks of 16 tokens, watermark 0.15 (kvguard admits up to 255" in out
     row = next(line for line in out.splitlines() if line.startswith("dummy-lora-7b-rank-8-0 "))
     assert row.split()[1:3] == ["pro", "35"]
-    unguarded = re.search(r"unguarded: (\d+) preemptions, goodput ([\d.]+) tok/s", out)
-    guarded = re.search(r"kvguard  : (\d+) preemptions, goodput ([\d.]+) tok/s", out)
-    assert unguarded and guarded, out
-    assert int(unguarded.group(1)) > 0 and int(guarded.group(1)) == 0
-    fairness = re.findall(r"Jain's fairness (0\.\d+|1\.000)", out)
-    assert len(fairness) == 2
+    # scale, policy, served/requests, refused, preemptions, goodput, ..., Jain
+    rows = {m[0]: m for m in re.findall(
+        r"^x6 +(\w+) +(\d+)/80 +([\d.]+)% +(\d+) +([\d.]+) .* (0\.\d{3}|1\.000)$", out, re.M
+    )}  # fmt: skip
+    assert list(rows) == ["vllm", "worst_case", "oracle"], out
+    assert int(rows["vllm"][3]) > 0 and rows["vllm"][1] == "80"
+    assert int(rows["worst_case"][3]) == int(rows["oracle"][3]) == 0
+    assert int(rows["worst_case"][1]) <= int(rows["oracle"][1])  # it reserves more
+    assert "x6: worst_case serves " in out
     assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 20_000
     assert f"plot: {png}" in out
 

@@ -10,9 +10,18 @@ import pytest
 from kvguard.config.loading import parse as parse_config
 from kvguard.sim import prompts
 from kvguard.sim.engine import EngineConfig, StepCost
+from kvguard.sim.policies import POLICIES
 from kvguard.sim.replay import replay
-from kvguard.sim.report import jain, percentile, table, tenant_stats
-from kvguard.sim.simulate import Options, compare, engine_config, pool_capacity
+from kvguard.sim.report import (
+    jain,
+    percentile,
+    policy_stats,
+    policy_table,
+    tenant_stats,
+    tenant_table,
+)
+from kvguard.sim.simulate import Options, engine_config, pool_capacity
+from kvguard.sim.sweep import compare
 from kvguard.sim.trace import SINGLE_TENANT, TraceError, TraceRequest, load, parse
 
 TRACES = Path(__file__).parents[1] / "data" / "traces"
@@ -154,6 +163,44 @@ def test_bad_rows_are_errors_that_name_the_line(text: str, message: str) -> None
     assert str(caught.value) == message
 
 
+def test_the_max_tokens_column_is_the_clients_limit() -> None:
+    plain = "arrival_s,tenant,prompt_tokens,output_tokens,max_tokens\n0,a,3,40,16\n1,a,3,40,\n"
+    assert [r.max_tokens for r in parse(plain, "t.csv").requests] == [16, None]  # empty: none
+    azure = "TIMESTAMP,ContextTokens,GeneratedTokens,max_tokens\n2023-11-16 18:15:46,374,44,900\n"
+    assert parse(azure, "t.csv").requests == [TraceRequest(0.0, SINGLE_TENANT, 374, 44, 900)]
+    vtc = "req_time_s,tenant,prompt_len,output_len,max_tokens\n0,a,13,199,1024\n"
+    assert parse(vtc, "t.csv").requests[0].max_tokens == 1024
+    lines = [
+        {"arrival_s": 0, "prompt_tokens": 3, "output_tokens": 4, "max_tokens": 8},
+        {"arrival_s": 1, "prompt_tokens": 3, "output_tokens": 4, "max_tokens": None},
+        {"arrival_s": 2, "prompt_tokens": 3, "output_tokens": 4},
+    ]
+    jsonl = parse("\n".join(json.dumps(x) for x in lines), "t.jsonl")
+    assert [r.max_tokens for r in jsonl.requests] == [8, None, None]
+    assert load(TRACES / "azure2023_conv_head40.csv").requests[0].max_tokens is None
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (PLAIN.replace("\n", ",max_tokens\n", 1).replace("4\n", "4,8\n") + "1,a,3,4,0\n",
+         "t.csv: line 3: max_tokens is 0: a limit is at least 1 token"),
+        (PLAIN.replace("\n", ",max_tokens\n", 1).replace("4\n", "4,8\n") + "1,a,3,4,-3\n",
+         "t.csv: line 3: max_tokens is -3: a limit is at least 1 token"),
+        (PLAIN.replace("\n", ",max_tokens\n", 1).replace("4\n", "4,8\n") + "1,a,3,4,2.5\n",
+         "t.csv: line 3: max_tokens is 2.5: token counts are whole numbers"),
+        (PLAIN.replace("\n", ",max_tokens\n", 1).replace("4\n", "4,8\n") + "1,a,3,4,lots\n",
+         "t.csv: line 3: max_tokens is 'lots': token counts are whole numbers"),
+        (JSONL + '{"arrival_s": 1, "prompt_tokens": 2, "output_tokens": 4, "max_tokens": true}\n',
+         "t.csv: line 3: max_tokens is true: token counts are whole numbers"),
+    ],
+)  # fmt: skip
+def test_a_bad_max_tokens_names_the_line(text: str, message: str) -> None:
+    with pytest.raises(TraceError) as caught:
+        parse(text, "t.csv")
+    assert str(caught.value) == message
+
+
 def test_prompt_tokens_come_from_kvguard_header_else_the_approximation() -> None:
     chat = {"messages": [{"role": "user", "content": "x" * 40}], "max_tokens": 7}
     approx = prompts.parse("/v1/chat/completions", chat, None, max_model_len=100, block_size=4)
@@ -205,7 +252,8 @@ async def test_the_policy_removes_preemptions_on_an_overloaded_slice() -> None:
     engine = engine_config(config, capacity, options)
     assert (engine.num_gpu_blocks, engine.block_size, engine.max_model_len) == (121, 16, 1920)
     trace = load(TRACES / "vtc_lmsys_head80.csv").scaled(8)
-    unguarded, guarded = await compare(trace, config, capacity, engine)
+    policies = [POLICIES["vllm"], POLICIES["worst_case"]]
+    unguarded, guarded = await compare(trace, config, capacity, engine, policies=policies)
     assert unguarded.preemptions > 0
     assert guarded.preemptions == 0  # reservations cover prompt + output: nothing thrashes
     refused = [o for o in guarded.outcomes if o.verdict.refused]
@@ -213,13 +261,20 @@ async def test_the_policy_removes_preemptions_on_an_overloaded_slice() -> None:
         "tenant_block_quota_exceeded", "kv_cache_watermark_exceeded", "request_exceeds_capacity",
     }  # fmt: skip
     served = [o for o in guarded.outcomes if o.seq is not None]
-    assert all(o.seq is not None and o.seq.output_tokens == o.verdict.max_tokens for o in served)
-    assert any(o.verdict.clamped for o in served)  # free tier: outputs above 64 are clamped
+    # Clients send no max_tokens: kvguard injects the tier default, the answer stops at the
+    # trace's output or at that limit.
+    for o in served:
+        assert o.seq is not None
+        assert o.seq.output_tokens == min(o.request.output_tokens, o.verdict.max_tokens)
+    assert all(o.verdict.clamped for o in served)
+    assert {o.verdict.max_tokens for o in served} == {32, 64}
     stats = tenant_stats(guarded, {"dummy-lora-7b-rank-8-0": "pro"})
     assert stats["dummy-lora-7b-rank-8-0"].tier == "pro"
     assert sum(s.requests for s in stats.values()) == 80
-    text = table(unguarded, guarded, {})
-    assert "dummy-lora-7b-rank-8-0" in text and "Jain's fairness" in text
+    text = tenant_table([unguarded, guarded], {}, 2.0)
+    assert "dummy-lora-7b-rank-8-0" in text and "worst_case" in text
+    rows = [policy_stats(run, 8, run is guarded, 2.0) for run in (unguarded, guarded)]
+    assert "Jain" in policy_table(rows, 2.0)
 
 
 async def test_replay_timeline_follows_the_engine() -> None:
