@@ -1,14 +1,14 @@
 """Property-based: `kvguard simulate` (sim.gate.PolicyGate) and `kvguard serve`
 (admission.admit.Admission with a memory ledger) decide every request alike.
 
-Configurations are random: shadow mode, tiers (cap, default, quota), whether unknown tenants
-get a default tier, max_model_len, block size, capacity and watermark. So are the requests: several tenants,
-prompts that may fill the context, outputs sent as max_tokens or left to the tier's default,
-with some admitted requests released in between. Serve gets what Envoy would send it (the
-tenant header, a completion body) and a counter that returns the request's prompt count; the
-gate gets the trace request (its `max_tokens` column set or empty). Both must give the same
-refusal code (or none), the same output limit, the same blocks, and leave their ledgers holding
-the same blocks per tenant. A reservation policy's smaller reservation changes only the blocks.
+Configurations are random: shadow mode, tiers (cap, default, quota), whether unknown tenants get a
+default tier, max_model_len, block size, capacity and watermark. So are the requests: several
+tenants, prompts that may fill the context, outputs sent as max_tokens or left to the tier's
+default, with some admitted requests released in between. Serve gets what Envoy would send it (the
+tenant header, a completion body) and a counter that returns the request's prompt count; the gate
+gets the trace request (its `max_tokens` column set or empty). Both must give the same refusal code
+(or none), the same output limit, the same blocks, and leave their ledgers holding the same blocks
+per tenant. A reservation policy's smaller reservation changes only the blocks.
 """
 
 from __future__ import annotations
