@@ -14,6 +14,7 @@ from kvguard.admission import policy as policies
 from kvguard.admission.admit import Admission, AdmissionSettings
 from kvguard.admission.capacity import Capacities
 from kvguard.admission.leases import LeaseKeeper
+from kvguard.admission.outputs import OutputLengths
 from kvguard.config.reload import PolicyWatcher
 from kvguard.config.schema import Config
 from kvguard.extproc.server import GrpcServer
@@ -53,6 +54,7 @@ class Service:
         config_path: Path | None = None,
         providers: telemetry.Providers | None = None,
         reload_interval_s: float = RELOAD_INTERVAL_S,
+        response_sample: float | None = None,
     ) -> None:
         self.config = config
         self.providers = providers or telemetry.setup(config.server)
@@ -63,8 +65,10 @@ class Service:
         self.capacities = Capacities()
         self.capacities.subscribe(lambda: self.health.set("capacity", self.capacities.any_known()))
         self.publish(policies.build(config, self._tokenizers))
-        # Pools with capacity.endpoints: read from vLLM's /metrics, refreshed (see start()).
-        self.discovery = Discovery(lambda: self.policy, self.capacities)
+        # Pools with capacity.endpoints: read from vLLM's /metrics, refreshed (see start()), which
+        # also teaches what their requests produce.
+        self.outputs = OutputLengths()
+        self.discovery = Discovery(lambda: self.policy, self.capacities, outputs=self.outputs)
         self.health.set("tokenizers", True)
         self._watcher = None
         if config_path is not None:
@@ -100,8 +104,16 @@ class Service:
                 config.ledger.on_unavailable,
             ),
         )
-        processor = ExternalProcessor(
-            lambda: self.policy, self.admission, self.keeper, self.telemetry
+        # The share of guarded exchanges whose response is read: the configuration's, unless the
+        # caller gives another.
+        if response_sample is None:
+            response_sample = config.server.response_sample
+        processor = self.processor = ExternalProcessor(
+            lambda: self.policy,
+            self.admission,
+            self.keeper,
+            self.telemetry,
+            sample=response_sample,
         )
         admin = AdminService(lambda: self.policy, self.ledger, self.capacities, self.keeper)
         self.grpc = GrpcServer(
@@ -205,6 +217,7 @@ class Service:
                 tenants[name] = usage.tenants
             view.capacity, view.reserved, view.tenants = capacity, reserved, tenants
             view.capacity_age_s = self.discovery.ages()
+            view.used = self.discovery.used_blocks()
             await asyncio.sleep(VIEW_REFRESH_S)
 
 

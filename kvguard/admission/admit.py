@@ -1,6 +1,6 @@
 """Admission as it runs: from a request body to a lease or a refusal. No gRPC, no sockets.
 
-Steps (DESIGN.md, "The request path"): parse; find the pool by model; count the prompt tokens
+Steps (docs/design.md, "The request path"): parse; find the pool by model; count the prompt tokens
 (the injected counter); size the request and build its claim (`decide`, pure); reserve it in
 the injected ledger; build the answer.
 """
@@ -123,7 +123,7 @@ class Admission:
         plan = decide.plan(counted, pool.config, identity.tenant, identity.tier, capacity)
         limits = plan.limits
         decision.requested_max_tokens, decision.max_tokens = limits.requested, limits.max_tokens
-        decision.blocks = plan.blocks
+        decision.blocks, decision.reserved_output = plan.blocks, plan.reserved_output
         claim = decide.claim(plan, uuid.uuid4().hex, self.settings.lease_seconds)
         body = None  # built before the reserve: nothing may fail between it and the answer
         if limits.fields != request.limits:

@@ -70,6 +70,9 @@ class ServerSettings(_Strict):
     admin: bool = False
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     workers: Annotated[int, Field(strict=True, ge=1, le=64)] = 1
+    # The share of guarded exchanges whose response kvguard reads (docs/design.md, "The
+    # response path"); 0 reads none.
+    response_sample: Annotated[float, Field(ge=0, le=1)] = 0.05
 
     @field_validator("grpc_listen")
     @classmethod

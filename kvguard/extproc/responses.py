@@ -24,6 +24,11 @@ _OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 # accepts (metadata_options.receiving_namespaces) and its route reads.
 METADATA_NAMESPACE = "envoy.filters.http.ext_proc"
 
+# The request header that marks an exchange for envoy.yaml's observing filter, which copies
+# its response body to kvguard (the route removes it before the request goes upstream).
+OBSERVE_HEADER = "x-kvguard-observe"
+_OBSERVE = {OBSERVE_HEADER: "1"}
+
 # For paths kvguard does not guard: no body buffering, no response messages.
 PASS_THROUGH_MODE = ProcessingMode(
     request_body_mode=ProcessingMode.NONE,
@@ -46,11 +51,17 @@ def _mutate(
     mutation.remove_headers.extend(remove)
 
 
-def request_headers(remove: list[str], *, guarded: bool) -> ProcessingResponse:
-    """Continue after request headers, dropping client-sent kvguard headers."""
+def request_headers(
+    remove: list[str], *, guarded: bool, observe: bool = False
+) -> ProcessingResponse:
+    """Continue after request headers, dropping client-sent kvguard headers. With `observe`,
+    OBSERVE_HEADER is set: envoy.yaml's observing filter, after this one, reads the headers as
+    changed here, so only kvguard's mark (never a client's) sends it the response body."""
     response = ProcessingResponse()
     common = response.request_headers.response
-    if remove:
+    if observe:
+        _mutate(common.header_mutation, _OBSERVE, [r for r in remove if r != OBSERVE_HEADER])
+    elif remove:
         _mutate(common.header_mutation, {}, remove)
     else:
         common.SetInParent()

@@ -3,6 +3,10 @@
 Thin on purpose: it reads what Envoy sends, asks `Admission` for the decision, and answers.
 Every exception ends in exactly one place (`_answer_error`), which always replies: closing the
 stream without a reply would let Envoy pass the request unmetered.
+
+A second kind of stream carries only response messages, in observability mode: the response
+of a sampled exchange, copied for reading. Envoy does not wait for answers there, so none is
+written, and nothing on it can fail the exchange (`_on_observed`).
 """
 
 from __future__ import annotations
@@ -25,9 +29,11 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 from kvguard.admission.admit import Admission, Admitted
 from kvguard.admission.leases import LeaseKeeper
 from kvguard.admission.policy import Identity, Policy, identify_request
-from kvguard.admission.record import Decision
+from kvguard.admission.record import Completion, Decision
 from kvguard.errors import Code, Refusal, invalid
 from kvguard.extproc import responses
+from kvguard.extproc.observe import DEFAULT_SAMPLE, Completions, Sampler
+from kvguard.extproc.usage import BodyReader
 from kvguard.ops.telemetry import Telemetry
 from kvguard.ops.throttled_log import ThrottledWarnings
 from kvguard.tokens.request import Kind, guarded_kind
@@ -52,6 +58,10 @@ class _Exchange:
     identity: Identity | None = None
     decision: Decision = field(default_factory=Decision)
     recorded: bool = False  # the decision has been counted and logged
+    observed: bool = False  # its response is copied to kvguard on an observing stream
+    # An observing stream: the lease whose response it reads, and the body read so far.
+    observing: str = ""
+    reader: BodyReader | None = None
 
 
 def _headers(header_map: HeaderMap) -> dict[str, str]:
@@ -68,17 +78,22 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
         admission: Admission,
         keeper: LeaseKeeper,
         telemetry: Telemetry,
+        *,
+        sample: float = DEFAULT_SAMPLE,
     ) -> None:
         self._policy = policy
         self._admission = admission
         self._keeper = keeper
         self._telemetry = telemetry
+        self._sampler = Sampler(sample)
+        self.completions = Completions(telemetry.released)
         self._open_streams = 0
         self._own_errors = ThrottledWarnings(log)  # under overload, one a place per 10 s
 
     @property
     def open_streams(self) -> int:
-        """ext_proc streams open now (one per HTTP exchange in flight)."""
+        """ext_proc streams open now (one per HTTP exchange in flight; observing streams are
+        not counted)."""
         return self._open_streams
 
     async def Process(
@@ -89,8 +104,14 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
         exchange = _Exchange(self._policy())
         admitted: Admitted | None = None  # domain state: its lease is released however it ends
         self._open_streams += 1
+        counted = True  # an observing stream holds no lease: it leaves the count
         try:
             async for message in request_iterator:
+                if message.observability_mode:
+                    if counted:
+                        self._open_streams, counted = self._open_streams - 1, False
+                    self._on_observed(exchange, message)
+                    continue
                 try:
                     match message.WhichOneof("request"):
                         case "request_headers":
@@ -108,7 +129,9 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
         finally:
             if admitted is not None and admitted.lease is not None:
                 self._keeper.release(admitted.lease)
-            self._open_streams -= 1
+                self.completions.released(admitted.lease.lease_id)
+            if counted:
+                self._open_streams -= 1
 
     def _on_request_headers(self, exchange: _Exchange, message: HttpHeaders) -> ProcessingResponse:
         headers = exchange.headers = _headers(message.headers)
@@ -120,7 +143,8 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
         exchange.identity = identify_request(exchange.policy, headers)
         if message.end_of_stream:
             raise invalid("this endpoint needs a JSON request body")
-        return responses.request_headers(remove, guarded=True)
+        exchange.observed = self._sampler.pick(exchange.decision.request_id)
+        return responses.request_headers(remove, guarded=True, observe=exchange.observed)
 
     async def _on_request_body(
         self,
@@ -146,6 +170,19 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
                 exchange.decision.refused(Code.INTERNAL_ERROR)
                 raise
         answer = responses.admitted_body(admitted.body, admitted.headers, admitted.metadata)
+        if admitted.lease is not None:
+            decision = exchange.decision
+            self.completions.admitted(
+                Completion(
+                    decision.request_id,
+                    decision.tenant,
+                    decision.tier,
+                    decision.pool,
+                    admitted.lease.lease_id,
+                    decision.reserved_output,
+                ),
+                observed=exchange.observed,
+            )
         return answer, admitted
 
     async def _decide_in_time(
@@ -200,6 +237,31 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
         if admitted.lease is not None:
             self._keeper.hold(admitted.lease)
         return admitted
+
+    def _on_observed(self, exchange: _Exchange, message: ProcessingRequest) -> None:
+        """A message of an observing stream: read the response body of the lease named in the
+        forwarded dynamic metadata. Never answers and never raises (the client's response
+        does not wait for it)."""
+        try:
+            if message.WhichOneof("request") != "response_body":
+                return
+            if exchange.reader is None:
+                namespace = message.metadata_context.filter_metadata.get(
+                    responses.METADATA_NAMESPACE
+                )
+                value = namespace.fields.get("lease") if namespace is not None else None
+                lease = value.string_value if value is not None else ""
+                if not lease:  # a refusal's local reply, or a request kvguard did not lease
+                    return
+                exchange.observing, exchange.reader = lease, BodyReader()
+            body = message.response_body
+            exchange.reader.feed(body.body)
+            if body.end_of_stream:
+                self.completions.produced(exchange.observing, exchange.reader.done())
+                exchange.reader = None
+        except Exception as exc:  # a bug here must cost the reading, never the exchange
+            exchange.reader = None
+            self._own_errors.warning(exc, "reading an observed response failed")
 
     def _answer_error(self, exchange: _Exchange, exc: Exception) -> ProcessingResponse:
         if not isinstance(exc, Refusal):

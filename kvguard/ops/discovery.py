@@ -10,6 +10,12 @@ its last good reading for STALE_AFTER_REFRESHES refresh intervals; after that it
 nothing, and a pool with no endpoint left has unknown capacity (its requests get 503
 capacity_unknown; the other pools are untouched). Every change of state is logged once, each
 endpoint's URL with its credentials masked.
+
+The same scrape teaches what requests produce: the deltas of vLLM's own histograms
+`vllm:request_generation_tokens` and `vllm:request_params_max_tokens` between two readings
+(a counter that went down is a restarted server, whose counts start again), summed over a
+pool's endpoints, go to `admission.outputs.OutputLengths`; `vllm:kv_cache_usage_perc` gives
+the blocks vLLM holds. Both come from the text already parsed for the capacity.
 """
 
 from __future__ import annotations
@@ -17,20 +23,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from kvguard.admission.capacity import Capacities, PoolCapacity
+from kvguard.admission.outputs import Histogram, Observed, OutputLengths
 from kvguard.admission.policy import Policy
 from kvguard.config.redact import redact
 
 log = logging.getLogger(__name__)
 
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
+GENERATION_TOKENS = "vllm:request_generation_tokens"  # histogram: output tokens per request
+PARAMS_MAX_TOKENS = "vllm:request_params_max_tokens"  # histogram: the max_tokens they ran with
+KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"  # gauge: the share of blocks in use, 0 to 1
 # An endpoint's last good reading is used for this many refresh intervals after it was read.
 STALE_AFTER_REFRESHES = 3
 # A refresh never waits longer than this for one endpoint.
@@ -51,6 +63,17 @@ class EndpointCache:
     block_size: int
 
 
+@dataclass(frozen=True, slots=True)
+class EndpointReading:
+    """One endpoint's /metrics as discovery reads it: the cache, and what its requests produced
+    since the server started (None where this vLLM does not export it)."""
+
+    cache: EndpointCache
+    generated: Histogram | None = None
+    requested: Histogram | None = None
+    used_blocks: int | None = None  # blocks vLLM holds now, from its KV-cache usage
+
+
 def parse_cache_config(text: str) -> EndpointCache:
     """The cache configuration in Prometheus exposition `text` from a vLLM /metrics.
 
@@ -58,15 +81,60 @@ def parse_cache_config(text: str) -> EndpointCache:
     own null block); their usable blocks add up. Raises DiscoveryError when the gauge is missing
     or its labels are not usable.
     """
+    return parse_metrics(text).cache
+
+
+def parse_metrics(text: str) -> EndpointReading:
+    """The cache configuration, the output-length histograms and the KV-cache usage in one
+    pass over a vLLM /metrics text; DiscoveryError as parse_cache_config."""
+    samples: list[Sample] = []
+    histograms: dict[str, list[Sample]] = {GENERATION_TOKENS: [], PARAMS_MAX_TOKENS: []}
+    usage: list[float] = []
     try:
-        samples = [
-            sample
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-            if sample.name == CACHE_CONFIG_INFO
-        ]
+        for family in text_string_to_metric_families(text):
+            if family.name == CACHE_CONFIG_INFO:
+                samples.extend(s for s in family.samples if s.name == CACHE_CONFIG_INFO)
+            elif family.name in histograms:
+                histograms[family.name].extend(family.samples)
+            elif family.name == KV_CACHE_USAGE:
+                usage.extend(s.value for s in family.samples)
     except ValueError as exc:
         raise DiscoveryError(f"the /metrics text does not parse: {exc}") from None
+    cache = _cache(samples)
+    used = None
+    if usage:  # engines of one server have equal caches: their mean share of the whole
+        used = round(min(max(sum(usage) / len(usage), 0.0), 1.0) * cache.usable_blocks)
+    return EndpointReading(
+        cache,
+        histogram(histograms[GENERATION_TOKENS], GENERATION_TOKENS),
+        histogram(histograms[PARAMS_MAX_TOKENS], PARAMS_MAX_TOKENS),
+        used,
+    )
+
+
+def histogram(samples: Iterable[Sample], name: str) -> Histogram | None:
+    """The samples of histogram `name` summed over their other labels (engines, models);
+    None when there are none."""
+    buckets: dict[float, float] = {}
+    count = total = 0.0
+    seen = False
+    for sample in samples:
+        if sample.name == name + "_bucket":
+            bound = float(sample.labels.get("le", "nan"))
+            if not math.isnan(bound):
+                buckets[bound] = buckets.get(bound, 0.0) + sample.value
+            seen = True
+        elif sample.name == name + "_count":
+            count += sample.value
+        elif sample.name == name + "_sum":
+            total += sample.value
+    if not seen:
+        return None
+    bounds = tuple(sorted(b for b in buckets if not math.isinf(b)))
+    return Histogram(bounds, tuple(buckets[b] for b in bounds), count, total)
+
+
+def _cache(samples: list[Sample]) -> EndpointCache:
     if not samples:
         raise DiscoveryError(f"no {CACHE_CONFIG_INFO} in /metrics (is this a vLLM server?)")
     usable = 0
@@ -114,8 +182,12 @@ def metrics_url(endpoint: str) -> str:
 
 @dataclass
 class _Endpoint:
-    reading: EndpointCache | None = None
+    reading: EndpointReading | None = None
     read_at: float = 0.0
+    # The histograms as last read, for the next delta; kept while the endpoint fails, so that
+    # a recovered server's counts are not learnt twice.
+    generated: Histogram | None = None
+    requested: Histogram | None = None
     error: str | None = None  # the last failure, while failing
 
 
@@ -128,6 +200,7 @@ class _Pool:
     capacity: PoolCapacity | None = None
     published: bool = False
     error: str | None = None  # why the capacity is unknown, while it is
+    used: int | None = None  # blocks vLLM reports in use, summed over the endpoints
 
 
 class Discovery:
@@ -144,10 +217,12 @@ class Discovery:
         policy: Callable[[], Policy],
         capacities: Capacities,
         *,
+        outputs: OutputLengths | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._policy = policy
         self._capacities = capacities
+        self._outputs = outputs
         self._clock = clock
         self._pools: dict[str, _Pool] = {}
 
@@ -167,6 +242,11 @@ class Discovery:
             if state.capacity is not None
         }
 
+    def used_blocks(self) -> dict[str, int]:
+        """Discovered pools -> the KV blocks their vLLM servers report in use (held by running
+        and waiting requests), where every endpoint in use reports its KV-cache usage."""
+        return {name: s.used for name, s in self._pools.items() if s.used is not None}
+
     def _discovered(self) -> dict[str, tuple[list[str], float]]:
         """Pool name -> (endpoints, refresh_seconds) for the pools with endpoints now."""
         return {
@@ -181,6 +261,8 @@ class Discovery:
         wanted = self._discovered()
         for gone in [name for name in self._pools if name not in wanted]:
             del self._pools[gone]  # the policy dropped it or made it static
+        if self._outputs is not None:
+            self._outputs.retain(set(wanted))
         now = self._clock()
         rounds = []
         for name, (endpoints, refresh_seconds) in wanted.items():
@@ -213,13 +295,15 @@ class Discovery:
             log.info("pool %s: a capacity reading from before a reload is dropped", name)
             return
         now = self._clock()
+        learnt: list[tuple[Histogram | None, Histogram | None]] = []
         for url, outcome in zip(urls, results, strict=True):
             result = _why(outcome) if isinstance(outcome, BaseException) else outcome
             endpoint = state.endpoints.setdefault(url, _Endpoint())
-            if isinstance(result, EndpointCache):
+            if isinstance(result, EndpointReading):
                 if endpoint.error is not None:
                     log.info("pool %s: capacity discovery from %s recovered", name, redact(url))
                 endpoint.reading, endpoint.read_at, endpoint.error = result, now, None
+                learnt.append(_learn(endpoint, result))
             else:
                 if endpoint.error is None:
                     kept = (
@@ -237,6 +321,17 @@ class Discovery:
                     )
                 endpoint.error = result
         self._publish(name, state, now)
+        self._feed(name, now, learnt)
+
+    def _feed(
+        self, name: str, now: float, learnt: list[tuple[Histogram | None, Histogram | None]]
+    ) -> None:
+        """Add the deltas this round read from the pool's endpoints, summed, to the outputs."""
+        if self._outputs is None:
+            return
+        generated = _total(g for g, _ in learnt)
+        if generated is not None:
+            self._outputs.add(name, Observed(now, generated, _total(r for _, r in learnt)))
 
     def _still_discovers(self, name: str, state: _Pool, urls: list[str]) -> bool:
         """Whether the pool, in the policy of now, still discovers from exactly `urls` (a
@@ -249,6 +344,7 @@ class Discovery:
     def _publish(self, name: str, state: _Pool, now: float) -> None:
         max_age = STALE_AFTER_REFRESHES * state.refresh_seconds
         readings = {}
+        used: list[int | None] = []
         for url, endpoint in state.endpoints.items():
             if endpoint.reading is not None and now - endpoint.read_at > max_age:
                 log.error(
@@ -259,7 +355,8 @@ class Discovery:
                 )
                 endpoint.reading = None
             if endpoint.reading is not None:
-                readings[url] = endpoint.reading
+                readings[url] = endpoint.reading.cache
+                used.append(endpoint.reading.used_blocks)
         capacity: PoolCapacity | None = None
         error = None
         try:
@@ -284,6 +381,8 @@ class Discovery:
                 error,
             )
         state.capacity, state.published, state.error = capacity, True, error
+        # Blocks vLLM holds, where every endpoint in use reports them (else unknown).
+        state.used = sum(u for u in used if u is not None) if used and None not in used else None
         if self._capacities.get(name) != capacity:
             self._capacities.set(name, capacity)
 
@@ -303,7 +402,7 @@ class Discovery:
                     await asyncio.wait_for(stop.wait(), max(wait, 0.01))
 
 
-async def _fetch(session: aiohttp.ClientSession, url: str, timeout: float) -> EndpointCache | str:
+async def _fetch(session: aiohttp.ClientSession, url: str, timeout: float) -> EndpointReading | str:
     """The endpoint's reading, or why there is none."""
     try:
         async with session.get(
@@ -317,11 +416,36 @@ async def _fetch(session: aiohttp.ClientSession, url: str, timeout: float) -> En
     except (aiohttp.ClientError, TimeoutError, OSError) as exc:
         return _why(exc)
     try:
-        return parse_cache_config(body.decode())  # Prometheus's text format is UTF-8
+        return parse_metrics(body.decode())  # Prometheus's text format is UTF-8
     except UnicodeDecodeError:
         return "/metrics answered a body that is not UTF-8"
     except DiscoveryError as exc:
         return str(exc)
+
+
+def _learn(
+    endpoint: _Endpoint, reading: EndpointReading
+) -> tuple[Histogram | None, Histogram | None]:
+    """The endpoint's histograms since its last reading (all of them at the first); remembers
+    this reading for the next."""
+    generated = reading.generated.since(endpoint.generated) if reading.generated else None
+    requested = reading.requested.since(endpoint.requested) if reading.requested else None
+    endpoint.generated, endpoint.requested = reading.generated, reading.requested
+    return generated, requested
+
+
+def _total(histograms: Iterable[Histogram | None]) -> Histogram | None:
+    """The sum of the histograms given; those whose bounds differ from the first are left out
+    (endpoints of different vLLM versions)."""
+    out: Histogram | None = None
+    for histogram in histograms:
+        if histogram is None:
+            continue
+        if out is None:
+            out = histogram
+        elif histogram.bounds == out.bounds:
+            out = out.plus(histogram)
+    return out
 
 
 def _why(exc: BaseException) -> str:

@@ -8,8 +8,11 @@ values with the SDK's in-memory reader. Prometheus names (a contract: dashboards
         reason: the refusal code; "" when admitted or cancelled
     kvguard_decision_duration_seconds                    histogram, one per guarded request
     kvguard_prompt_tokens                                histogram, admitted requests
+    kvguard_completion_tokens{pool,tier}                 histogram, released leases whose
+        completion tokens kvguard read (non-streamed usage, sampled streams)
     kvguard_reserved_blocks{pool}                        the ledger's shared view
     kvguard_capacity_blocks{pool}                        usable blocks (static or discovered)
+    kvguard_engine_used_blocks{pool}                     blocks vLLM reports in use (discovered)
     kvguard_tenant_reserved_blocks{pool,tenant}          top tenants, the rest as tenant="other"
     kvguard_capacity_age_seconds{pool}                   age of the last capacity discovery
     kvguard_ledger_errors_total                          ledger calls that failed
@@ -24,9 +27,12 @@ from dataclasses import dataclass, field
 
 from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
 
-# Seconds; a decision is ~1 ms, a 32k-token count ~60 ms, Envoy gives up at 200 ms.
+# Seconds: from the short decisions of small prompts, past the long counts of 32k-token ones,
+# to the 200 ms after which Envoy gives up on an answer.
 DECISION_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 PROMPT_BUCKETS = (16, 64, 256, 1024, 4096, 8192, 16384, 32768, 65536, 131072)
+# vLLM's own bounds for vllm:request_generation_tokens, then the longer limits tiers allow.
+COMPLETION_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 4096, 8192, 16384, 32768)
 OTHER_TENANTS = "other"
 # kvguard_admissions_total's outcome label, admission.record.Decision.outcome: admitted; refused
 # (kvguard answered with an error); shadow_refused (shadow mode: it would refuse, and let the
@@ -41,6 +47,7 @@ class LedgerView:
     reserved: dict[str, int] = field(default_factory=dict)  # pool -> blocks
     tenants: dict[str, dict[str, int]] = field(default_factory=dict)  # pool -> tenant -> blocks
     capacity: dict[str, int] = field(default_factory=dict)  # pool -> blocks
+    used: dict[str, int] = field(default_factory=dict)  # pool -> blocks vLLM holds
     capacity_age_s: dict[str, float] = field(default_factory=dict)  # pool -> seconds
 
 
@@ -63,6 +70,11 @@ class Metrics:
             description="Prompt tokens of admitted requests, as vLLM counts them",
             explicit_bucket_boundaries_advisory=PROMPT_BUCKETS,
         )
+        self._completion_tokens = meter.create_histogram(
+            "kvguard_completion_tokens",
+            description="Completion tokens of released requests, where kvguard read them",
+            explicit_bucket_boundaries_advisory=COMPLETION_BUCKETS,
+        )
         self._ledger_errors = meter.create_counter(
             "kvguard_ledger_errors", description="Ledger calls that failed"
         )
@@ -82,6 +94,12 @@ class Metrics:
             "kvguard_capacity_blocks",
             callbacks=[self._per_pool(lambda: self.view.capacity)],
             description="Usable KV blocks of the pool",
+        )
+        meter.create_observable_gauge(
+            "kvguard_engine_used_blocks",
+            callbacks=[self._per_pool(lambda: self.view.used)],
+            description="KV blocks vLLM reports in use in the pool (its kv_cache_usage_perc), "
+            "to read against kvguard_reserved_blocks",
         )
         meter.create_observable_gauge(
             "kvguard_capacity_age",
@@ -111,6 +129,9 @@ class Metrics:
             self._duration.record(duration_s)
         if prompt_tokens is not None and outcome == "admitted":
             self._prompt_tokens.record(prompt_tokens)
+
+    def record_completion(self, *, pool: str, tier: str, completion_tokens: int) -> None:
+        self._completion_tokens.record(completion_tokens, {"pool": pool, "tier": tier})
 
     def record_ledger_error(self) -> None:
         self._ledger_errors.add(1)

@@ -1,8 +1,9 @@
 """Metrics, traces and decision logs, set up once per process and fed one decision at a time.
 
 A decision becomes: one `kvguard_admissions_total` increment, one span (a child of the W3C trace
-context Envoy forwards, when there is one) and one JSON log line. None of them ever carries
-prompt text or credentials.
+context Envoy forwards, when there is one) and one JSON log line; a released lease one more line
+(`released`) and, where its completion tokens are known, one `kvguard_completion_tokens`
+observation. None of them ever carries prompt text or credentials.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from prometheus_client import CollectorRegistry, start_http_server
 
 from kvguard import __version__
-from kvguard.admission.record import Decision
+from kvguard.admission.record import Completion, Decision
 from kvguard.config.schema import ServerSettings
 from kvguard.ops.metrics import Metrics
 
 log = logging.getLogger("kvguard.decision")
+# Release lines on a logger of their own: "kvguard.decision" holds one line per decision.
+release_log = logging.getLogger("kvguard.release")
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 
@@ -78,6 +81,17 @@ class Telemetry:
         if duration_s is not None:
             fields["duration_ms"] = round(duration_s * 1000, 3)
         log.info("decision", extra=fields)
+
+    def released(self, completion: Completion) -> None:
+        """Count and log one released lease with what its request produced, where known."""
+        if completion.completion_tokens is not None:
+            self.metrics.record_completion(
+                pool=completion.pool,
+                tier=completion.tier,
+                completion_tokens=completion.completion_tokens,
+            )
+        if release_log.isEnabledFor(logging.INFO):
+            release_log.info("released", extra=completion.attributes())
 
 
 @dataclass

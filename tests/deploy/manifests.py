@@ -47,6 +47,8 @@ KUSTOMIZATIONS = (
 Resource = dict[str, Any]
 # What envoy/envoy.yaml sets on its HTTP connection manager for kvguard's sake.
 KVGUARD_HCM_KEYS = ("local_reply_config", "access_log")
+# The response side's filter: an observing ext_proc after kvguard's (docs/design.md).
+OBSERVE_FILTER = "kvguard.observe"
 
 
 def kubectl() -> Path:
@@ -227,11 +229,12 @@ def without_kvguard(config: Mapping[str, Any]) -> dict[str, Any]:
     back."""
     result = copy.deepcopy(dict(config))
     filters = http_filters(result)
-    filters[:] = [f for f in filters if f["name"] != EXT_PROC_FILTER]
+    filters[:] = [f for f in filters if f["name"] not in (EXT_PROC_FILTER, OBSERVE_FILTER)]
     for key in KVGUARD_HCM_KEYS:
         del http_connection_manager(result)[key]
     for route in routes(result):
         del route["response_headers_to_add"]
+        del route["request_headers_to_remove"]
     clusters = result["static_resources"]["clusters"]
     clusters[:] = [c for c in clusters if c["name"] != KVGUARD_CLUSTER]
     return result

@@ -36,6 +36,7 @@ from kvguard.testing.upstream import RecordingUpstream
 from tests.deploy.manifests import (
     KUSTOMIZATIONS,
     KVGUARD_HCM_KEYS,
+    OBSERVE_FILTER,
     PatchError,
     apply_envoy_filter,
     build,
@@ -98,11 +99,14 @@ def test_envoy_refuses_a_broken_gateway_config(tmp_path: Path) -> None:
 
 
 def kvguard_settings(config: dict[str, Any]) -> dict[str, Any]:
-    """What envoy/envoy.yaml sets for kvguard's sake: the ext_proc filter, the kvguard cluster,
-    Envoy's own answers, the access log and each route's response headers."""
+    """What envoy/envoy.yaml sets for kvguard's sake: the ext_proc filter and the observing one,
+    the kvguard cluster, Envoy's own answers, the access log and each route's response headers
+    and removed request header."""
     hcm = http_connection_manager(config)
     return {
         "ext_proc": http_filter(config, EXT_PROC_FILTER),
+        "observe": http_filter(config, OBSERVE_FILTER),
+        "request_headers_to_remove": [r["request_headers_to_remove"] for r in routes(config)],
         "cluster": cluster(config, KVGUARD_CLUSTER),
         **{key: hcm[key] for key in KVGUARD_HCM_KEYS},
         "response_headers_to_add": [r["response_headers_to_add"] for r in routes(config)],
@@ -115,7 +119,13 @@ def test_gateway_config_keeps_envoy_yamls_ext_proc_settings() -> None:
     for key in ("per_connection_buffer_limit_bytes",):
         assert listener(gateway)[key] == listener(shipped())[key]
     names = [f["name"] for f in http_filters(gateway)]
-    assert names == [HEADER_FIRST, "envoy.filters.http.jwt_authn", EXT_PROC_FILTER, ROUTER]
+    assert names == [
+        HEADER_FIRST,
+        "envoy.filters.http.jwt_authn",
+        EXT_PROC_FILTER,
+        OBSERVE_FILTER,
+        ROUTER,
+    ]
 
 
 @pytest.mark.parametrize(("where", "envoy_filter"), envoy_filters(), ids=lambda v: str(v)[:40])
@@ -126,7 +136,8 @@ def test_envoy_filter_patches_validate_in_a_bootstrap(
     # The patches put back exactly what envoy/envoy.yaml has, in the same place...
     assert kvguard_settings(config) == kvguard_settings(shipped())
     names = [f["name"] for f in http_filters(config)]
-    assert names[0] != EXT_PROC_FILTER and names[-2:] == [EXT_PROC_FILTER, ROUTER], where
+    assert names[0] != EXT_PROC_FILTER, where
+    assert names[-3:] == [EXT_PROC_FILTER, OBSERVE_FILTER, ROUTER], where
     assert http_filters(config)[0]["typed_config"]["@type"].endswith("HeaderMutation")
     # ...with buffers above kvguard's max_body_bytes on both sides...
     assert listener(config)["per_connection_buffer_limit_bytes"] == 16777216
@@ -169,7 +180,7 @@ def local_gateway(upstream_port: int) -> dict[str, Any]:
     config = render_envoy_config(
         GATEWAY_CONFIG, listen_port=0, admin_port=0, kvguard_port=1, upstream_port=upstream_port
     )
-    config = without_http_filter(config, EXT_PROC_FILTER)
+    config = without_http_filter(without_http_filter(config, EXT_PROC_FILTER), OBSERVE_FILTER)
     health = listener(config, "health")["address"]["socket_address"]
     health.update(address="127.0.0.1", port_value=0)
     provider = http_filter(config, "envoy.filters.http.jwt_authn")["providers"]["tenants"]

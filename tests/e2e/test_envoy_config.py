@@ -1,5 +1,5 @@
-"""The shipped envoy/envoy.yaml: Envoy accepts it, it holds the settings DESIGN.md relies on, and
-the harness that runs it (EnvoyProcess, RecordingUpstream) works against a real Envoy."""
+"""The shipped envoy/envoy.yaml: Envoy accepts it, it holds the settings docs/design.md relies
+on, and the harness that runs it (EnvoyProcess, RecordingUpstream) works against a real Envoy."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 import yaml
 
+from kvguard.extproc.responses import METADATA_NAMESPACE, OBSERVE_HEADER
 from kvguard.testing.envoy import (
     EXT_PROC_FILTER,
     KVGUARD_CLUSTER,
@@ -26,6 +27,7 @@ from kvguard.testing.envoy import (
     listener,
     render_envoy_config,
     validate_envoy_config,
+    virtual_hosts,
     without_http_filter,
 )
 from kvguard.testing.upstream import RecordingUpstream
@@ -33,6 +35,8 @@ from kvguard.testing.upstream import RecordingUpstream
 pytestmark = pytest.mark.integration
 
 KVGUARD_MAX_BODY_BYTES = 8388608  # kvguard's default server.max_body_bytes
+# The response side's observing filter (docs/design.md, "The response path").
+OBSERVE_FILTER = "kvguard.observe"
 
 
 def render(**ports: int) -> dict[str, Any]:
@@ -129,6 +133,31 @@ def test_ext_proc_settings_match_the_design() -> None:
     # ext_proc runs before the router, i.e. before anything reaches vLLM.
     names = [f["name"] for f in http_filters(config)]
     assert names.index(EXT_PROC_FILTER) < names.index("envoy.filters.http.router")
+
+    # The response side: observing only, failing open, for the exchanges kvguard marks.
+    assert names[-2:] == [OBSERVE_FILTER, "envoy.filters.http.router"]
+    wrapper = http_filter(config, OBSERVE_FILTER)
+    assert wrapper["extension_config"]["typed_config"]["@type"].endswith("Composite")
+    # The composite runs the observing ext_proc only for kvguard's mark.
+    (matcher,) = wrapper["xds_matcher"]["matcher_list"]["matchers"]
+    marked = matcher["predicate"]["single_predicate"]
+    assert marked["input"]["typed_config"]["header_name"] == OBSERVE_HEADER
+    assert marked["value_match"] == {"exact": "1"}
+    assert "on_no_match" not in wrapper["xds_matcher"]
+    observe = matcher["on_match"]["action"]["typed_config"]["typed_config"]["typed_config"]
+    assert observe["observability_mode"] is True
+    assert observe["failure_mode_allow"] is True
+    assert observe["grpc_service"]["envoy_grpc"]["cluster_name"] == KVGUARD_CLUSTER
+    mode = dict(observe["processing_mode"])
+    # The response headers are sent so that Envoy keeps the answer's content-length.
+    assert (mode.pop("response_header_mode"), mode.pop("response_body_mode")) == (
+        "SEND",
+        "STREAMED",
+    )
+    assert set(mode.values()) <= {"SKIP", "NONE"}
+    assert observe["metadata_options"]["forwarding_namespaces"]["untyped"] == [METADATA_NAMESPACE]
+    for route in virtual_hosts(config)[0]["routes"]:
+        assert route["request_headers_to_remove"] == [OBSERVE_HEADER]  # vLLM never sees it
 
     # kvguard, not Envoy, must be the one to refuse bodies above its own limit.
     buffer_limit = listener(config)["per_connection_buffer_limit_bytes"]

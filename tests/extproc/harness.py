@@ -15,6 +15,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from kvguard import config as configs
 from kvguard.app import Service
+from kvguard.extproc.observe import DEFAULT_SAMPLE
 from kvguard.ops.telemetry import Providers
 from tests.conftest import kvguard_config, write_config
 
@@ -27,10 +28,12 @@ async def running(
     watch: bool = False,
     reload_interval_s: float = 0.05,
     pool: dict[str, Any] | None = None,
+    response_sample: float = DEFAULT_SAMPLE,
     **overrides: Any,
 ) -> AsyncIterator[tuple[Service, Any]]:
     """A started Service on a free port and an ext_proc stub; `watch` enables hot reload;
-    `pool` holds extra keys for the one pool."""
+    `pool` holds extra keys for the one pool; `response_sample` is the share of exchanges
+    (with a request id) whose response is read."""
     data = kvguard_config(**overrides)
     data["pools"][0].update(pool or {})
     path = write_config(tmp_path, data)
@@ -39,6 +42,7 @@ async def running(
         config_path=path if watch else None,
         providers=providers,
         reload_interval_s=reload_interval_s,
+        response_sample=response_sample,
     )
     await service.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{service.grpc.port}")
