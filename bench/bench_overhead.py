@@ -1,6 +1,6 @@
 """What kvguard adds to a request, measured through the real Envoy (a benchmark, not a test).
 
-Two Envoys from envoy/envoy.yaml in the same run: one with the ext_proc filter removed (bare),
+Two Envoys from envoy/envoy.yaml in the same run: one with its ext_proc filters removed (bare),
 one with kvguard (`kvguard serve`, its own process, memory ledger; `--ledger redis`: a
 redis-server of its own on loopback, as replicas sharing a pool use) in front of the same local
 upstream. Load comes from a separate process; kvguard's CPU time comes from /proc. Both ends
@@ -15,7 +15,8 @@ them. Two workloads:
 - `history`: a multi-turn chat: a shared system prompt and earlier turns make up ~90 % of the
   prompt, and only the last user message is new (what chat traffic mostly looks like).
 
-Per prompt size and workload it prints and writes to bench-results/overhead.json:
+Per prompt size and workload it prints and writes to bench-results/overhead.json (with the
+host's speed, the seconds `sum(range(10**8))` takes):
 1. capacity: closed loop (CONCURRENCY streams, back to back) through Envoy + kvguard: requests/s
    and the admissions one kvguard core sustains (requests / kvguard CPU seconds);
 2. added latency at 30 % and 60 % of that capacity (open loop: arrivals do not wait for
@@ -31,7 +32,16 @@ Per prompt size and workload it prints and writes to bench-results/overhead.json
    against the bare Envoy measured there: what the gRPC round trips alone add;
 7. what parsing a body costs (in this process, no Envoy): kvguard.tokens.request.load_json, which
    refuses a key repeated in any object, against plain json.loads, on the same bodies, in µs.
-   `--parse-only` measures only this.
+   `--parse-only` measures only this;
+8. streamed answers, through a second pair of Envoys from the same file (bare and guarded) in
+   front of kvguard.testing.upstream.StreamingUpstream: one SSE event (a chat.completion.chunk)
+   per token, `--token-gap-ms` apart (5), `--stream-tokens` per answer (200), to 1k-token
+   prompts at fixed rates (open loop, bench/sse_load.py timing each event as it is read): time
+   to first token and the gaps between tokens, bare and guarded, and kvguard's CPU per stream
+   against the same requests not streamed. Whatever envoy/envoy.yaml and kvguard's defaults turn
+   on for responses is measured; `--response-sample SHARE` sets the share of responses kvguard
+   reads (server.response_sample; 1.0: every one, the worst case). `--streaming-only` measures
+   only this and writes bench-results/overhead-streaming.json.
 
 kvguard runs as a default install does: Prometheus metrics on, a JSON log line per decision
 (written to a file). Each point records how busy kvguard's CPU and the others were.
@@ -45,7 +55,8 @@ CONTINUE at once) in kvguard's place: the floor grpc.aio sets under kvguard's fi
 
     .venv/bin/python bench/bench_overhead.py [--quick] [--allocator jemalloc|system]
         [--share-cpus] [--processor kvguard|noop] [--ledger memory|redis]
-        [--load-client http1|aiohttp] [--parse-only]
+        [--load-client http1|aiohttp] [--parse-only] [--stream-tokens N] [--token-gap-ms MS]
+        [--response-sample SHARE] [--streaming-only]
 """
 
 from __future__ import annotations
@@ -65,6 +76,7 @@ import timeit
 import urllib.request
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -78,15 +90,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.http_load import Http1Client, LeanUpstream  # noqa: E402
+from kvguard.config.schema import Config  # noqa: E402
 from kvguard.ops import grpc_io  # noqa: E402
 from kvguard.testing import free_port  # noqa: E402
 from kvguard.testing.envoy import (  # noqa: E402
     EXT_PROC_FILTER,
     EnvoyProcess,
+    http_filters,
     loopback_config,
     without_http_filter,
 )
 from kvguard.testing.redis import RedisServer  # noqa: E402
+from kvguard.testing.upstream import StreamingUpstream  # noqa: E402
 from kvguard.tokens.request import load_json  # noqa: E402
 from kvguard.tokens.tokenizer import PoolTokenizer  # noqa: E402
 
@@ -102,6 +117,21 @@ HISTORY_SHARE = 0.9  # of a `history` prompt's tokens, the part earlier requests
 MIX_EVERY = 20  # saturation mix: one request in this many carries a 32k-token prompt
 Post = Callable[[bytes, int], Awaitable[int]]  # post(body, i) -> HTTP status
 LOAD_CLIENT = "http1"  # the load processes' HTTP client (--load-client)
+STREAM_RATES = {True: (20,), False: (20, 50)}  # streams/s, with --quick and without
+# The key (a path into the configuration) of the share of guarded exchanges whose response
+# kvguard reads; --response-sample sets it where the schema has it.
+RESPONSE_SAMPLE_KEY = ("server", "response_sample")
+
+
+@dataclass(frozen=True)
+class Streams:
+    """The streamed answers' part: `tokens` per answer, `gap_s` between tokens, the share of
+    responses kvguard reads (None: its default), and whether to run this part alone."""
+
+    tokens: int = 200
+    gap_s: float = 0.005
+    sample: float | None = None
+    only: bool = False
 
 
 def cpu_seconds(pid: int) -> float:
@@ -322,12 +352,13 @@ _FIRST_NUMBERS = itertools.count(0, 10**6)  # a load process sends fewer request
 
 
 def in_subprocess(call: str, *args: Any) -> dict[str, Any]:
-    """Run open_loop/closed_loop in its own process, so the client's CPU is not kvguard's or
-    Envoy's. Bodies travel as specs."""
+    """Run open_loop/closed_loop/stream_loop in its own process, so the client's CPU is not
+    kvguard's or Envoy's. Bodies travel as specs."""
     spec = json.dumps([a.spec(next(_FIRST_NUMBERS)) if isinstance(a, Bodies) else a for a in args])
     code = (
         f"import json, sys, uvloop; sys.path.insert(0, {str(ROOT)!r}); "
         "from bench.bench_overhead import Bodies, open_loop, closed_loop; "
+        "from bench.sse_load import stream_loop; "
         "args = [Bodies.from_spec(a) if isinstance(a, list) else a "
         "for a in json.loads(sys.stdin.read())]; "
         f"print(json.dumps(uvloop.run({call}(*args, load_client={LOAD_CLIENT!r}))))"
@@ -338,8 +369,12 @@ def in_subprocess(call: str, *args: Any) -> dict[str, Any]:
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-def kvguard_config(port: int, metrics_port: int, ledger_url: str) -> dict[str, Any]:
-    return {
+def kvguard_config(
+    port: int, metrics_port: int, ledger_url: str, response_sample: float | None = None
+) -> dict[str, Any]:
+    """kvguard's configuration; with `response_sample`, RESPONSE_SAMPLE_KEY set to it where the
+    schema has that key."""
+    config: dict[str, Any] = {
         "server": {  # the defaults' cost: Prometheus on, a JSON line per decision
             "grpc_listen": f"127.0.0.1:{port}",
             "metrics_listen": f"127.0.0.1:{metrics_port}",
@@ -348,7 +383,10 @@ def kvguard_config(port: int, metrics_port: int, ledger_url: str) -> dict[str, A
         "ledger": {"url": ledger_url, "lease_seconds": 60},
         "tenancy": {
             "default_tier": "pro",
-            "tiers": {"pro": {"max_tokens_cap": 64, "default_max_tokens": 16, "max_blocks": 10**6}},
+            # A cap above the streamed answers' limit, so that no limit is clamped.
+            "tiers": {
+                "pro": {"max_tokens_cap": 4096, "default_max_tokens": 16, "max_blocks": 10**6}
+            },
         },
         "pools": [
             {
@@ -360,6 +398,45 @@ def kvguard_config(port: int, metrics_port: int, ledger_url: str) -> dict[str, A
             }
         ],
     }
+    if response_sample is not None and schema_has(RESPONSE_SAMPLE_KEY):
+        *parents, leaf = RESPONSE_SAMPLE_KEY
+        section = config
+        for key in parents:
+            section = section.setdefault(key, {})
+        section[leaf] = response_sample
+    return config
+
+
+def without_ext_proc(config: dict[str, Any]) -> dict[str, Any]:
+    """The bare Envoy's configuration: `config` without its ext_proc filters, kvguard's
+    (EXT_PROC_FILTER) and any other that is or wraps one (a filter behind a matcher)."""
+    bare = without_http_filter(config, EXT_PROC_FILTER)
+    filters = http_filters(bare)
+    filters[:] = [f for f in filters if not _holds_ext_proc(f)]
+    return bare
+
+
+def _holds_ext_proc(node: Any) -> bool:
+    """Whether an ext_proc filter's configuration is `node` or lies anywhere within it."""
+    if isinstance(node, list):
+        return any(_holds_ext_proc(item) for item in node)
+    if not isinstance(node, dict):
+        return False
+    kind = node.get("@type")
+    if isinstance(kind, str) and kind.endswith(".ext_proc.v3.ExternalProcessor"):
+        return True
+    return any(_holds_ext_proc(value) for value in node.values())
+
+
+def schema_has(path: tuple[str, ...]) -> bool:
+    """Whether kvguard's configuration schema has the key at `path` (sections, then the key)."""
+    model: Any = Config
+    for key in path:
+        fields = getattr(model, "model_fields", None)
+        if not isinstance(fields, dict) or key not in fields:
+            return False
+        model = fields[key].annotation
+    return True
 
 
 def _ms(x: float) -> str:
@@ -582,6 +659,118 @@ async def floor_latency(
     return points
 
 
+async def streaming(
+    quick: bool,
+    bare_url: str,
+    guarded_url: str,
+    kvguard_pid: int,
+    cpu_groups: dict[str, set[int]],
+    metrics_url: str,
+    streams: Streams,
+) -> list[dict[str, Any]]:
+    """Streamed answers (bench/sse_load.py against StreamingUpstream: one SSE event per token,
+    `streams.gap_s` apart) to 1k-token prompts of new text, at each STREAM_RATES rate (open
+    loop), bare then guarded: time to first token, the gaps between tokens as the client reads
+    them, and kvguard's CPU per stream, whole (its gRPC stream lasts until the answer ends);
+    then the same requests not streamed (one body of the same answer), at the same rate
+    through the same Envoy: kvguard's CPU per request that streaming is compared with."""
+    seconds = _seconds(quick)
+    chat = calibrated_body(PoolTokenizer.load(TOKENIZER), 1000, "unique")
+    # Answers end before their limit (finish_reason stop), as most real answers do.
+    bodies = Bodies(chat | {"stream": True, "max_tokens": 2 * streams.tokens})
+    whole = Bodies(chat | {"stream": False, "max_tokens": 2 * streams.tokens})
+    for url in (bare_url, guarded_url):  # connections open, kvguard's first decisions made
+        await _client("stream_loop", url, bodies, 5.0, 1.0)
+    points = []
+    for rate in STREAM_RATES[quick]:
+        bare, _ = await _measured(
+            kvguard_pid, cpu_groups, "stream_loop", bare_url, bodies, rate, seconds
+        )
+        guarded, cpu = await _measured(
+            kvguard_pid,
+            cpu_groups,
+            "stream_loop",
+            guarded_url,
+            bodies,
+            rate,
+            seconds,
+            metrics=metrics_url,
+        )
+        not_streamed, whole_cpu = await _measured(
+            kvguard_pid, cpu_groups, "open_loop", guarded_url, whole, rate, seconds
+        )
+        added = {
+            f"added_{name}_ms": guarded[f"{name}_ms"] - bare[f"{name}_ms"]
+            for name in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "itl_p999")
+        }
+        ratios = {
+            f"{name}_ratio": _ratio(guarded[f"{name}_ms"], bare[f"{name}_ms"])
+            for name in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "stream_p50")
+        }
+        point = {
+            "prompt_tokens": 1000,
+            "answer_tokens": streams.tokens,
+            "token_gap_ms": streams.gap_s * 1000,
+            "rate": rate,
+            "bare": bare,
+            "guarded": guarded,
+            **added,
+            **ratios,
+            "not_streamed": not_streamed,
+            "kvguard_cpu_ms_per_stream": cpu * 1000 / guarded["streams"],
+            "kvguard_cpu_ms_per_request_not_streamed": whole_cpu * 1000 / not_streamed["requests"],
+        }
+        point["kvguard_cpu_stream_ratio"] = _ratio(
+            point["kvguard_cpu_ms_per_stream"], point["kvguard_cpu_ms_per_request_not_streamed"]
+        )
+        points.append(point)
+        print(
+            f"streamed {streams.tokens} tokens {streams.gap_s * 1000:g} ms apart, {rate} "
+            f"streams/s: TTFT p50/p99 bare {_ms(bare['ttft_p50_ms'])} / {_ms(bare['ttft_p99_ms'])}"
+            f" guarded {_ms(guarded['ttft_p50_ms'])} / {_ms(guarded['ttft_p99_ms'])} ms | "
+            f"inter-token p50/p99 bare {_ms(bare['itl_p50_ms'])} / {_ms(bare['itl_p99_ms'])} "
+            f"guarded {_ms(guarded['itl_p50_ms'])} / {_ms(guarded['itl_p99_ms'])} ms "
+            f"(x{point['itl_p99_ratio']:.3f} at p99) | added TTFT p50/p99 "
+            f"{_ms(added['added_ttft_p50_ms'])} / {_ms(added['added_ttft_p99_ms'])} ms | "
+            f"kvguard {point['kvguard_cpu_ms_per_stream']:.3f} ms CPU/stream, "
+            f"{point['kvguard_cpu_ms_per_request_not_streamed']:.3f} not streamed "
+            f"(x{point['kvguard_cpu_stream_ratio']:.2f}) | "
+            f"{guarded['statuses']}, events/stream {guarded['events_per_stream']}, unfinished "
+            f"{bare['unfinished']}/{guarded['unfinished']} | busy % {guarded['busy_percent']}",
+            flush=True,
+        )
+    return points
+
+
+def _ratio(guarded: float, bare: float) -> float:
+    return guarded / bare if bare else float("nan")
+
+
+def config_note(sample: float | None) -> str:
+    """What --response-sample did to kvguard's configuration, in words."""
+    key = ".".join(RESPONSE_SAMPLE_KEY)
+    if not schema_has(RESPONSE_SAMPLE_KEY):
+        return f"--response-sample not applied: the schema has no {key}"
+    if sample is None:
+        return f"{key}: the default ({_default(RESPONSE_SAMPLE_KEY)})"
+    return f"{key}: {sample:g}"
+
+
+def _default(path: tuple[str, ...]) -> Any:
+    """The schema's default for the key at `path` (which schema_has found)."""
+    model: Any = Config
+    for key in path[:-1]:
+        model = model.model_fields[key].annotation
+    return model.model_fields[path[-1]].default
+
+
+def host_speed() -> float:
+    """Seconds this host takes for sum(range(10**8)): the figures' yardstick across days."""
+    start = time.perf_counter()
+    sum(range(10**8))
+    return round(time.perf_counter() - start, 2)
+
+
 def _bucket(result: dict[str, Any], quantile: str) -> str:
     return f"{result.get(f'decision_{quantile}_at_most_ms', float('nan')):g}"
 
@@ -652,7 +841,14 @@ def _cpus(share: bool) -> tuple[set[int] | None, set[int] | None]:
     return {cpus[-1]}, set(cpus[:-1])
 
 
-async def main(quick: bool, allocator: str, share_cpus: bool, processor: str, ledger: str) -> None:
+async def main(
+    quick: bool,
+    allocator: str,
+    share_cpus: bool,
+    processor: str,
+    ledger: str,
+    streams: Streams,
+) -> None:
     kvguard_cpus, other_cpus = _cpus(share_cpus)
     if other_cpus is not None:
         os.sched_setaffinity(0, other_cpus)  # Envoy, Redis and the load processes inherit it
@@ -661,7 +857,9 @@ async def main(quick: bool, allocator: str, share_cpus: bool, processor: str, le
         ledger_url = "memory://"
         if ledger == "redis":  # on the CPUs Envoy and the load share
             ledger_url = stack.enter_context(RedisServer(work / "redis")).url
-        await _bench(quick, allocator, processor, ledger_url, work, kvguard_cpus, other_cpus)
+        await _bench(
+            quick, allocator, processor, ledger_url, work, kvguard_cpus, other_cpus, streams
+        )
 
 
 async def _bench(
@@ -672,14 +870,18 @@ async def _bench(
     work: Path,
     kvguard_cpus: set[int] | None,
     other_cpus: set[int] | None,
+    streams: Streams,
 ) -> None:
+    speed = host_speed()
     cpu_groups = {"all_cpus": set(os.sched_getaffinity(0))}
     if kvguard_cpus is not None and other_cpus is not None:
         cpu_groups = {"kvguard_cpu": kvguard_cpus, "other_cpus": other_cpus}
     upstream = LeanUpstream()
     await upstream.start()
+    streaming_upstream = StreamingUpstream(tokens=streams.tokens, token_gap=streams.gap_s)
+    await streaming_upstream.start()
     port, metrics_port = free_port(), free_port()
-    config = kvguard_config(port, metrics_port, ledger_url)
+    config = kvguard_config(port, metrics_port, ledger_url, streams.sample)
     (work / "kvguard.yaml").write_text(yaml.safe_dump(config))
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     if allocator == "jemalloc":  # as the image runs it (Dockerfile)
@@ -701,36 +903,62 @@ async def _bench(
         )
 
     processes = [start(noop if processor == "noop" else command, f"{processor}.log")]
-    guarded_config = loopback_config(port, upstream.port)
-    bare_config = without_http_filter(guarded_config, EXT_PROC_FILTER)
-    (work / "bare").mkdir()
-    (work / "guarded").mkdir()
+    # Two pairs of Envoys from the same shipped file, bare and guarded: one pair in front of the
+    # upstream that answers at once, one in front of the streaming one.
+    configs = {}
+    for name, upstream_port in (("", upstream.port), ("streaming-", streaming_upstream.port)):
+        guarded_config = loopback_config(port, upstream_port)
+        configs[f"{name}guarded"] = guarded_config
+        configs[f"{name}bare"] = without_ext_proc(guarded_config)
+    for name in configs:
+        (work / name).mkdir()
     try:
         async with (
-            EnvoyProcess(bare_config, work / "bare") as bare,
-            EnvoyProcess(guarded_config, work / "guarded") as guarded,
+            EnvoyProcess(configs["bare"], work / "bare") as bare,
+            EnvoyProcess(configs["guarded"], work / "guarded") as guarded,
+            EnvoyProcess(configs["streaming-bare"], work / "streaming-bare") as streaming_bare,
+            EnvoyProcess(configs["streaming-guarded"], work / "streaming-guarded") as streamed,
         ):
             await guarded.wait_cluster_healthy("kvguard", timeout=60)
+            await streamed.wait_cluster_healthy("kvguard", timeout=60)
+            sample = config_note(streams.sample)
             print(
                 f"{processor} runs on {allocator} malloc, on CPUs {kvguard_cpus or 'shared'}, "
-                f"ledger {ledger_url}; Envoy, upstream and load on {other_cpus or 'all CPUs'}",
+                f"ledger {ledger_url}; Envoy, upstream and load on {other_cpus or 'all CPUs'}; "
+                f"{sample}; sum(range(10**8)) takes {speed} s",
                 flush=True,
             )
-            metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-            results, bodies = await run(
+            metrics_url = (
+                f"http://127.0.0.1:{metrics_port}/metrics" if processor == "kvguard" else ""
+            )
+            results: dict[str, Any] = {}
+            bodies: dict[tuple[str, int], Bodies] = {}
+            if not streams.only:
+                results, bodies = await run(
+                    quick,
+                    bare.url,
+                    guarded.url,
+                    processes[0].pid,
+                    cpu_groups,
+                    metrics_url,
+                )
+            results["streaming"] = await streaming(
                 quick,
-                bare.url,
-                guarded.url,
+                streaming_bare.url,
+                streamed.url,
                 processes[0].pid,
                 cpu_groups,
-                metrics_url if processor == "kvguard" else "",
+                metrics_url,
+                streams,
             )
+            results["response_sample"] = sample
+            results["host_sum_range_s"] = speed
             results["allocator"] = allocator
             results["processor"] = processor
             results["ledger"] = ledger_url.partition(":")[0]
             results["load_client"] = LOAD_CLIENT
             results["kvguard_cpus"] = sorted(kvguard_cpus) if kvguard_cpus else "shared"
-            if processor == "kvguard":  # the no-op in its place, on its port and CPU
+            if processor == "kvguard" and not streams.only:  # the no-op in its place
                 processes[0].terminate()
                 processes[0].wait(30)
                 await guarded.wait_cluster_unhealthy("kvguard", timeout=30)
@@ -752,7 +980,8 @@ async def _bench(
             process.terminate()
             process.wait(30)
         await upstream.stop()
-    out = ROOT / "bench-results" / "overhead.json"
+        await streaming_upstream.stop()
+    out = ROOT / "bench-results" / ("overhead-streaming.json" if streams.only else "overhead.json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
     print(f"wrote {out}")
@@ -795,9 +1024,40 @@ if __name__ == "__main__":
         default="http1",
         help="the load processes' HTTP client: bench/http_load.py (lean) or aiohttp's",
     )
+    parser.add_argument(
+        "--stream-tokens",
+        type=int,
+        default=200,
+        help="tokens in each streamed answer, one SSE event each (default 200)",
+    )
+    parser.add_argument(
+        "--token-gap-ms",
+        type=float,
+        default=5.0,
+        help="milliseconds between a streamed answer's tokens (default 5)",
+    )
+    parser.add_argument(
+        "--response-sample",
+        type=float,
+        metavar="SHARE",
+        help=f"set {'.'.join(RESPONSE_SAMPLE_KEY)}, the share of responses kvguard reads "
+        "(1.0: every one, the worst case); ignored, and said so, where the schema lacks it",
+    )
+    parser.add_argument(
+        "--streaming-only",
+        action="store_true",
+        help="measure only the streamed answers (writes bench-results/overhead-streaming.json)",
+    )
     args = parser.parse_args()
     LOAD_CLIENT = args.load_client
     if args.parse_only:
         parse_cost(PoolTokenizer.load(TOKENIZER))
         raise SystemExit(0)
-    uvloop.run(main(args.quick, args.allocator, args.share_cpus, args.processor, args.ledger))
+    if args.stream_tokens < 1 or args.token_gap_ms < 0:
+        parser.error("--stream-tokens must be at least 1 and --token-gap-ms at least 0")
+    streams = Streams(
+        args.stream_tokens, args.token_gap_ms / 1000, args.response_sample, args.streaming_only
+    )
+    uvloop.run(
+        main(args.quick, args.allocator, args.share_cpus, args.processor, args.ledger, streams)
+    )
