@@ -89,7 +89,7 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.http_load import Http1Client, LeanUpstream  # noqa: E402
+from bench.http_load import Http1Client, LeanUpstream, at_rate  # noqa: E402
 from kvguard.config.schema import Config  # noqa: E402
 from kvguard.ops import grpc_io  # noqa: E402
 from kvguard.testing import free_port  # noqa: E402
@@ -297,14 +297,8 @@ async def open_loop(
             statuses[await post(bodies(i), i)] += 1
             latencies.append(time.perf_counter() - start)
 
-        t0, cpu0 = time.perf_counter(), time.process_time()
-        tasks = []
-        for i in range(int(rate * seconds)):
-            delay = t0 + i / rate - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(i)))
-        await asyncio.gather(*tasks)
+        cpu0 = time.process_time()
+        await at_rate(rate, seconds, one)
     result = _summary(latencies, statuses, seconds)
     cpu = time.process_time() - cpu0
     result["client_cpu_ms_per_request"] = _per_request_ms(cpu, len(latencies))

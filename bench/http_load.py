@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import re
-from typing import cast
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, cast
 
 _CONTENT_LENGTH = re.compile(rb"\r\ncontent-length:[ \t]*(\d+)", re.IGNORECASE)
 _CHUNKED = re.compile(rb"\r\ntransfer-encoding:[ \t]*chunked", re.IGNORECASE)
@@ -109,33 +111,37 @@ def _chunked_length(buffer: bytearray, start: int) -> int | None:
 
 
 class Http1Client:
-    """POSTs to one host:port over a pool of keep-alive connections, opened as needed."""
+    """POSTs to one host:port over a pool of keep-alive connections, opened as needed.
 
-    def __init__(self, url: str) -> None:
+    `connection` reads one answer per request: by default its status code (_Connection);
+    bench/sse_load.py gives one that times each event of a stream."""
+
+    def __init__(self, url: str, connection: Callable[[], Any] = lambda: _Connection()) -> None:
         host_port = url.removeprefix("http://").rstrip("/")
         self._host, _, port = host_port.rpartition(":")
         self._port = int(port)
-        self._idle: list[_Connection] = []
-        self.opened: list[_Connection] = []  # every connection, in the order opened
+        self._protocol = connection
+        self._idle: list[Any] = []
+        self.opened: list[Any] = []  # every connection, in the order opened
 
-    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> int:
-        """The response's status code."""
+    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> Any:
+        """What the connection reads of the answer (_Connection: its status code)."""
         connection = self._idle.pop() if self._idle else await self._connect()
         head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         data = (
             f"POST {path} HTTP/1.1\r\nhost: {self._host}\r\n{head}"
             f"content-length: {len(body)}\r\n\r\n"
         ).encode() + body
-        status = await connection.request(data)
+        answer = await connection.request(data)
         if connection.reusable:
             self._idle.append(connection)
         elif connection.transport is not None:
             connection.transport.close()
-        return status
+        return answer
 
-    async def _connect(self) -> _Connection:
+    async def _connect(self) -> Any:
         loop = asyncio.get_running_loop()
-        _, connection = await loop.create_connection(_Connection, self._host, self._port)
+        _, connection = await loop.create_connection(self._protocol, self._host, self._port)
         self.opened.append(connection)
         return connection
 
@@ -190,3 +196,16 @@ class LeanUpstream:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
+
+
+async def at_rate(rate: float, seconds: float, one: Callable[[int], Awaitable[None]]) -> None:
+    """Start `one(i)` at t0 + i / rate for `seconds` (open loop: whatever happened to the
+    others), and return once every one has ended."""
+    t0 = time.perf_counter()
+    tasks = []
+    for i in range(int(rate * seconds)):
+        delay = t0 + i / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i)))
+    await asyncio.gather(*tasks)

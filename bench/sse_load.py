@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from bench.http_load import Http1Client, at_rate
+
 _CONTENT_LENGTH = re.compile(rb"\r\ncontent-length:[ \t]*(\d+)", re.IGNORECASE)
 _CHUNKED = re.compile(rb"\r\ntransfer-encoding:[ \t]*chunked", re.IGNORECASE)
 _CLOSE = re.compile(rb"\r\nconnection:[ \t]*close", re.IGNORECASE)
@@ -129,41 +131,9 @@ class _StreamConnection(asyncio.Protocol):
         return await self._waiter
 
 
-class SseClient:
-    """POSTs to one host:port over a pool of keep-alive connections, opened as needed, and
-    reads each answer event by event."""
-
-    def __init__(self, url: str) -> None:
-        host_port = url.removeprefix("http://").rstrip("/")
-        self._host, _, port = host_port.rpartition(":")
-        self._port = int(port)
-        self._idle: list[_StreamConnection] = []
-        self.opened: list[_StreamConnection] = []  # every connection, in the order opened
-
-    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> StreamRead:
-        connection = self._idle.pop() if self._idle else await self._connect()
-        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        data = (
-            f"POST {path} HTTP/1.1\r\nhost: {self._host}\r\n{head}"
-            f"content-length: {len(body)}\r\n\r\n"
-        ).encode() + body
-        read = await connection.request(data)
-        if connection.reusable:
-            self._idle.append(connection)
-        elif connection.transport is not None:
-            connection.transport.close()
-        return read
-
-    async def _connect(self) -> _StreamConnection:
-        loop = asyncio.get_running_loop()
-        _, connection = await loop.create_connection(_StreamConnection, self._host, self._port)
-        self.opened.append(connection)
-        return connection
-
-    def close(self) -> None:
-        for connection in self.opened:
-            if connection.transport is not None:
-                connection.transport.close()
+def sse_client(url: str) -> Http1Client:
+    """bench/http_load.py's client, reading each answer event by event."""
+    return Http1Client(url, _StreamConnection)
 
 
 def percentiles(values: list[float], prefix: str) -> dict[str, float]:
@@ -198,7 +168,7 @@ async def stream_loop(
     statuses: Counter[int] = Counter()
     events: Counter[int] = Counter()  # events per answered stream: how many streams had each
     unfinished = 0  # 200 answers that ended without [DONE]
-    client = SseClient(url)
+    client = sse_client(url)
 
     async def one(i: int) -> None:
         nonlocal unfinished
@@ -216,14 +186,8 @@ async def stream_loop(
             gaps.extend(b - a for a, b in itertools.pairwise(times))
 
     try:
-        t0, cpu0 = time.perf_counter(), time.process_time()
-        tasks = []
-        for i in range(int(rate * seconds)):
-            delay = t0 + i / rate - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(i)))
-        await asyncio.gather(*tasks)
+        cpu0 = time.process_time()
+        await at_rate(rate, seconds, one)
         cpu = time.process_time() - cpu0
     finally:
         client.close()

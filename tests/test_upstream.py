@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from bench.sse_load import SseClient, stream_loop
+from bench.sse_load import sse_client, stream_loop
 from kvguard.testing.upstream import TOKEN_TEXT, StreamingUpstream
 
 GAP_S = 0.05  # between tokens: each stream of TOKENS lasts (TOKENS - 1) * GAP_S
@@ -158,7 +158,7 @@ async def read_chunked(reader: asyncio.StreamReader) -> bytes:
 
 
 async def test_the_bench_client_times_every_event_in_order(streaming: StreamingUpstream) -> None:
-    client = SseClient(streaming.url)
+    client = sse_client(streaming.url)
     try:
         body = json.dumps(chat(stream=True)).encode()
         reads = [await client.post("/v1/chat/completions", body, {}) for _ in range(2)]

@@ -44,26 +44,14 @@ class Policy:
     pools: dict[str, PoolPolicy]  # by pool name
     by_model: dict[str, PoolPolicy]  # by request "model" value
 
-    def identify(self, tenant: str) -> Identity | None:
-        """The tenant's tier; None when the tenant is unknown and there is no default tier."""
-        return identify(self.tenancy, tenant)
-
-
-def identify(tenancy: Tenancy, tenant: str) -> Identity | None:
-    """The tenant's tier in `tenancy`; None when the tenant is unknown and there is no default
-    tier."""
-    tier_name = tenancy.tier_of(tenant)
-    if tier_name is None:
-        return None
-    return Identity(tenant, tier_name, tenancy.tiers[tier_name])
-
 
 def known(tenancy: Tenancy, tenant: str) -> Identity:
-    """The tenant's identity; refused with 401 unknown_tenant when it has none."""
-    identity = identify(tenancy, tenant)
-    if identity is None:
+    """The tenant's tier in `tenancy` (the default tier for an unmapped one); refused with 401
+    unknown_tenant when there is none."""
+    tier_name = tenancy.tier_of(tenant)
+    if tier_name is None:
         raise Refusal(Code.UNKNOWN_TENANT, "the request carries no known tenant identity")
-    return identity
+    return Identity(tenant, tier_name, tenancy.tiers[tier_name])
 
 
 def identify_request(policy: Policy, headers: Mapping[str, str]) -> Identity:

@@ -33,25 +33,7 @@ class Decision:
         self.outcome, self.reason = "cancelled", ""
 
     def attributes(self) -> dict[str, str | int]:
-        out: dict[str, str | int] = {
-            "request_id": self.request_id,
-            "tenant": self.tenant,
-            "tier": self.tier,
-            "pool": self.pool,
-            "outcome": self.outcome,
-            "reason": self.reason,
-        }
-        if self.prompt_tokens is not None:
-            out["prompt_tokens"] = self.prompt_tokens
-        if self.blocks is not None:
-            out["blocks"] = self.blocks
-        if self.requested_max_tokens is not None:
-            out["requested_max_tokens"] = self.requested_max_tokens
-        if self.max_tokens is not None:
-            out["max_tokens"] = self.max_tokens
-        if self.reserved_output is not None:
-            out["reserved_output"] = self.reserved_output
-        return out
+        return _present(self, _DECISION_ATTRIBUTES)
 
 
 @dataclass
@@ -70,18 +52,22 @@ class Completion:
     source: str = ""  # usage | events (a stream without usage: one event per token) | ""
 
     def attributes(self) -> dict[str, str | int]:
-        out: dict[str, str | int] = {
-            "request_id": self.request_id,
-            "tenant": self.tenant,
-            "tier": self.tier,
-            "pool": self.pool,
-            "lease": self.lease,
-        }
-        if self.reserved_output is not None:
-            out["reserved_output"] = self.reserved_output
+        out = _present(self, _COMPLETION_ATTRIBUTES)
         if self.completion_tokens is not None:
-            out["completion_tokens"] = self.completion_tokens
             out["completion_source"] = self.source
-        if self.finish_reason is not None:
-            out["finish_reason"] = self.finish_reason
         return out
+
+
+# The fields the span and log lines carry, in their order; a field that is None is left out.
+_DECISION_ATTRIBUTES = (
+    "request_id", "tenant", "tier", "pool", "outcome", "reason", "prompt_tokens", "blocks",
+    "requested_max_tokens", "max_tokens", "reserved_output",
+)  # fmt: skip
+_COMPLETION_ATTRIBUTES = (
+    "request_id", "tenant", "tier", "pool", "lease", "reserved_output", "completion_tokens",
+    "finish_reason",
+)  # fmt: skip
+
+
+def _present(record: Decision | Completion, names: tuple[str, ...]) -> dict[str, str | int]:
+    return {name: value for name in names if (value := getattr(record, name)) is not None}
