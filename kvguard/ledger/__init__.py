@@ -5,7 +5,10 @@ process, `memory.MemoryLedger`) or `redis://`/`rediss://` (shared by every repli
 `redis_ledger.RedisLedger` wrapped in `resilient.ResilientLedger`). Every backend makes the same
 promise: `reserve` checks the pool limit and the tenant quota and records the lease in one
 atomic step, reclaiming expired leases on the way; `release` and `reassert` are idempotent.
-All amounts are KV-cache blocks of the pool's block size.
+All amounts are KV-cache blocks of the pool's block size. A lease's counted blocks may grow
+after it was admitted (a running request's reservation raised as it decodes): `reassert` with
+more blocks than the ledger counts raises them, without any check, and never lowers them;
+`release` gives back what the ledger counts, grown or not.
 """
 
 from __future__ import annotations
@@ -81,15 +84,24 @@ class Ledger(Protocol):
         expired leases. Raises LedgerUnavailable when the ledger cannot be reached."""
 
     async def release(self, lease: Lease) -> None:
-        """Idempotent: releasing an unknown or already released lease does nothing."""
+        """Give back the blocks the ledger counts for the lease (grown ones included).
+        Idempotent: releasing an unknown or already released lease does nothing."""
 
     async def renew(self, lease: Lease, lease_seconds: float) -> bool:
-        """Extend a live lease; False when it is gone (expired and reclaimed, or released)."""
+        """Extend a live lease, its counted blocks unchanged; False when it is gone (expired
+        and reclaimed, or released)."""
 
     async def reassert(self, leases: Iterable[Lease], lease_seconds: float) -> int:
-        """Hold each lease for `lease_seconds` more: renew it, or record it again without any
-        check when the ledger lost it (its request is running, so the ledger must count it).
-        Idempotent. Returns how many leases were recorded again."""
+        """Hold each lease for `lease_seconds` more: renew it, or record it again with
+        `lease.blocks` and without any check when the ledger lost it (its request is running,
+        so the ledger must count it).
+
+        A held lease whose `lease.blocks` is more than the blocks counted for it grows to
+        `lease.blocks`: the pool's and the tenant's reserved blocks rise by the difference,
+        always granted (no limit or quota check; it may take the pool past its limit, and new
+        reservations are then refused until leases end). Counted blocks never shrink: a
+        smaller (stale) copy only renews. Idempotent. Returns how many leases were recorded
+        again (a lease that grew was held, so it does not count)."""
 
     async def usage(self, pool: str) -> PoolUsage:
         """Blocks and leases held in `pool` (expired leases reclaimed first), per tenant."""

@@ -7,7 +7,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvguard.ledger import Claim, Lease, LeaseInfo, Outcome, PoolUsage, Reservation
 
@@ -79,10 +79,11 @@ class MemoryLedger:
             pool = self._pools[lease.pool]
             now = self._clock()
             pool.reclaim_expired(now)
-            if lease.lease_id not in pool.leases:
+            held = pool.leases.get(lease.lease_id)
+            if held is None:
                 return False
             expiry = now + lease_seconds
-            pool.leases[lease.lease_id] = (lease, expiry)
+            pool.leases[lease.lease_id] = (held[0], expiry)  # the lease as counted
             heapq.heappush(pool.expiries, (expiry, lease.lease_id))
             return True
 
@@ -90,7 +91,8 @@ class MemoryLedger:
         return self.hold(leases, lease_seconds)
 
     def hold(self, leases: Iterable[Lease], lease_seconds: float) -> int:
-        """`reassert`, synchronously: renew each lease, or record it again without checks.
+        """`reassert`, synchronously: renew each lease (growing its counted blocks to
+        `lease.blocks` when that is more, never less), or record it again; no checks.
         Returns how many were recorded again."""
         added = 0
         with self._lock:
@@ -104,7 +106,13 @@ class MemoryLedger:
                     pool.tenants[lease.tenant] += lease.blocks
                     added += 1
                 else:
-                    lease = held[0]  # the lease as counted
+                    counted = held[0]
+                    growth = lease.blocks - counted.blocks
+                    if growth > 0:  # counted under its recorded tenant, as drop() gives back
+                        pool.reserved += growth
+                        pool.tenants[counted.tenant] += growth
+                        counted = replace(counted, blocks=lease.blocks)
+                    lease = counted
                 expiry = now + lease_seconds
                 pool.leases[lease.lease_id] = (lease, expiry)
                 heapq.heappush(pool.expiries, (expiry, lease.lease_id))

@@ -291,8 +291,9 @@ class RedisLedger:
         return bool(int(renewed[0]))
 
     async def reassert(self, leases: Iterable[Lease], lease_seconds: float) -> int:
-        """Hold every lease (renewed, or recorded again without checks); one script call per
-        pool and LEASES_PER_CALL leases. Returns how many were recorded again."""
+        """Hold every lease (renewed and grown to `lease.blocks` when that is more than Redis
+        counts, or recorded again; no checks); one script call per pool and LEASES_PER_CALL
+        leases. Returns how many were recorded again."""
         by_pool: defaultdict[str, list[Lease]] = defaultdict(list)
         for lease in leases:
             by_pool[lease.pool].append(lease)

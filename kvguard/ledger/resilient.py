@@ -18,6 +18,10 @@
   `open_leases()`, the LeaseKeeper's, plus those taken locally), idempotently, then flips back
   and replays its releases: a Redis that restarted empty converges to the leases really open,
   and no lease is counted twice (re-asserting a held lease only renews it).
+- A lease's counted blocks grow through `reassert` (sent to Redis, or to the local ledger
+  while Redis is unreachable in `local` mode), and recovery sends each open lease with its
+  largest known blocks, so Redis ends up counting the grown amount; nothing here sends a
+  smaller copy in place of a grown one (and Redis would not shrink a lease anyway).
 - While reachable, the watcher checks each pool's epoch every `heartbeat_s`: it notices a Redis
   that restarted between two requests (no error seen) and re-asserts that pool's leases; an
   idle process also notices an outage within `heartbeat_s`, so readiness follows Redis.
@@ -158,16 +162,24 @@ class ResilientLedger:
         return await self._local.renew(lease, lease_seconds)
 
     async def reassert(self, leases: Iterable[Lease], lease_seconds: float) -> int:
-        """While unreachable: holds them locally (`local`) and returns 0; recovery re-asserts
-        every open lease in Redis anyway."""
+        """While unreachable: holds (and grows) them locally (`local`) and returns 0; recovery
+        re-asserts every open lease in Redis anyway, with its grown blocks."""
         held = list(leases)
         for lease in held:
             self._pools.add(lease.pool)
+            taken_locally = self._local_leases.get(lease.lease_id)
+            if taken_locally is not None and lease.blocks > taken_locally.blocks:
+                self._local_leases[lease.lease_id] = lease  # recovery sends the grown lease
         if self.reachable:
             try:
-                return await self.primary.reassert(held, lease_seconds)
+                added = await self.primary.reassert(held, lease_seconds)
             except LedgerUnavailable as exc:
                 self._went_down(exc)
+            else:
+                if self._local is not None:
+                    # Another call flipped to local meanwhile: growth counts there too.
+                    self._local.hold(held, lease_seconds)
+                return added
         if self._local is not None:
             self._local.hold(held, lease_seconds)
         return 0
@@ -254,19 +266,27 @@ class ResilientLedger:
 
         Raises LedgerUnavailable (and stays unreachable) if Redis fails again on the way.
         """
-        asserted: set[str] = set()
+        asserted: dict[str, int] = {}  # lease id -> blocks re-asserted
         reasserted = 0
         while True:
             open_now = {lease.lease_id: lease for lease in self.open_leases()}
-            open_now.update(self._local_leases)
-            todo = [lease for lease_id, lease in open_now.items() if lease_id not in asserted]
+            for lease_id, lease in self._local_leases.items():
+                known = open_now.get(lease_id)
+                if known is None or lease.blocks > known.blocks:  # the grown copy wins
+                    open_now[lease_id] = lease
+            # New leases, and leases that grew (locally) while this recovery ran.
+            todo = [
+                lease
+                for lease_id, lease in open_now.items()
+                if asserted.get(lease_id, 0) < lease.blocks
+            ]
             if not todo:
                 break  # and no await until the flip: no local admission can slip in between
             for lease in todo:
                 # Released before the flip (even if this attempt fails): replayed below.
                 self._maybe_in_redis[lease.lease_id] = lease
             reasserted += await self.primary.reassert(todo, self.lease_seconds)
-            asserted.update(lease.lease_id for lease in todo)
+            asserted.update((lease.lease_id, lease.blocks) for lease in todo)
         self.reachable = True
         self._local = None
         self._local_leases.clear()

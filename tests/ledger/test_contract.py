@@ -3,12 +3,14 @@ memory ledger, a real redis-server and a real Redis Cluster (see conftest.py).
 
 Reserve checks the pool limit and the tenant quota and records the lease in one atomic step,
 refusing an impossible claim first and reclaiming expired leases; release and reassert are
-idempotent; renew keeps a lease alive; usage and leases report what is held.
+idempotent; renew keeps a lease alive; reassert grows a lease's counted blocks (always granted,
+never shrinking) and release gives them all back; usage and leases report what is held.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 from kvguard.ledger import Lease, Ledger, Outcome
 from kvguard.ledger.memory import MemoryLedger
@@ -140,6 +142,75 @@ async def test_reassert_renews_held_leases(ledger: Ledger, clock: LedgerClock) -
     assert await ledger.reassert([lease], 2) == 0
     await clock.reach(t0 + 1 + MARGIN_S)
     assert (await ledger.usage("p")).reserved == 20
+
+
+async def test_reassert_grows_a_held_lease_past_the_limit_and_the_quota(ledger: Ledger) -> None:
+    lease = (await ledger.reserve(claim("1", 40, tenant="a"))).lease
+    await ledger.reserve(claim("2", 50, tenant="b"))
+    assert lease is not None
+    grown = replace(lease, blocks=70)  # past the quota (60) and, with b's 50, the limit (100)
+    assert await ledger.reassert([grown], 30) == 0  # held, so not recorded again
+    usage = await ledger.usage("p")
+    assert (usage.reserved, usage.leases, usage.tenants) == (120, 2, {"a": 70, "b": 50})
+    listed = {i.lease.lease_id: i.lease for i in await ledger.leases("p")}
+    assert listed == {"1": grown, "2": Lease("2", "p", "b", 50)}
+
+
+async def test_growth_is_counted_once(ledger: Ledger) -> None:
+    lease = (await ledger.reserve(claim("1", 20))).lease
+    assert lease is not None
+    grown = replace(lease, blocks=35)
+    assert await ledger.reassert([grown], 30) == 0
+    assert await ledger.reassert([grown], 30) == 0
+    usage = await ledger.usage("p")
+    assert (usage.reserved, usage.tenants) == (35, {"a": 35})
+
+
+async def test_a_smaller_copy_does_not_shrink_a_grown_lease(ledger: Ledger) -> None:
+    lease = (await ledger.reserve(claim("1", 20))).lease
+    assert lease is not None
+    await ledger.reassert([replace(lease, blocks=45)], 30)
+    assert await ledger.reassert([lease, replace(lease, blocks=44)], 30) == 0  # stale copies
+    usage = await ledger.usage("p")
+    assert (usage.reserved, usage.leases, usage.tenants) == (45, 1, {"a": 45})
+    assert [i.lease.blocks for i in await ledger.leases("p")] == [45]
+
+
+async def test_renew_leaves_the_counted_blocks_alone(ledger: Ledger) -> None:
+    lease = (await ledger.reserve(claim("1", 20))).lease
+    assert lease is not None
+    assert await ledger.renew(replace(lease, blocks=50), 30)
+    assert await ledger.renew(replace(lease, blocks=5), 30)
+    assert (await ledger.usage("p")).reserved == 20
+    await ledger.release(lease)
+    usage = await ledger.usage("p")
+    assert (usage.reserved, usage.tenants) == (0, {})
+
+
+async def test_release_gives_back_the_grown_blocks(ledger: Ledger) -> None:
+    lease = (await ledger.reserve(claim("1", 20, tenant="a"))).lease
+    other = (await ledger.reserve(claim("2", 10, tenant="b"))).lease
+    assert lease is not None and other is not None
+    await ledger.reassert([replace(lease, blocks=55)], 30)
+    await ledger.release(lease)  # the copy from before the growth: the ledger knows better
+    usage = await ledger.usage("p")
+    assert (usage.reserved, usage.leases, usage.tenants) == (10, 1, {"b": 10})
+    await ledger.release(other)
+    usage = await ledger.usage("p")
+    assert (usage.reserved, usage.leases, usage.tenants) == (0, 0, {})
+
+
+async def test_a_reserve_sees_the_grown_usage(ledger: Ledger) -> None:
+    lease = (await ledger.reserve(claim("1", 30, tenant="a"))).lease
+    assert lease is not None
+    await ledger.reassert([replace(lease, blocks=80)], 30)
+    refused = await ledger.reserve(claim("2", 25, tenant="b"))
+    assert refused.outcome is Outcome.POOL_WATERMARK
+    assert (refused.pool_reserved, refused.tenant_reserved) == (80, 0)
+    over_quota = await ledger.reserve(claim("3", 1, tenant="a"))  # a holds 80 of its 60
+    assert over_quota.outcome is Outcome.TENANT_QUOTA
+    admitted = await ledger.reserve(claim("4", 20, tenant="b"))
+    assert (admitted.outcome, admitted.pool_reserved) == (Outcome.ADMITTED, 100)
 
 
 async def test_pools_are_independent(ledger: Ledger) -> None:

@@ -1,11 +1,12 @@
 """What only the Redis ledger has, on a real redis-server and a real Redis Cluster: scripts
-that name their keys, one round trip per operation, releases batched per pool, NOSCRIPT
-recovery, epochs that reveal a Redis which restarted empty, and fast failure."""
+that name their keys, one round trip per operation (growing leases too), releases batched per
+pool, NOSCRIPT recovery, epochs that reveal a Redis which restarted empty, and fast failure."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,9 @@ def _reset_stats(redis: Any) -> None:
         node.cli("config", "resetstat")
 
 
-async def test_one_round_trip_per_admission_and_per_release(redis_ledger) -> None:
+async def test_one_round_trip_per_admission_and_per_release(
+    redis_ledger: tuple[Any, RedisLedger],
+) -> None:
     redis, ledger = redis_ledger
     await ledger.start()  # scripts registered once per client
     await ledger.usage("p")  # connections opened, cluster slots discovered
@@ -77,7 +80,9 @@ async def _leases_in_two_pools(ledger: Ledger, n: int) -> list[Lease]:
     return leases
 
 
-async def test_renewing_many_leases_is_one_call_per_pool(redis_ledger) -> None:
+async def test_renewing_many_leases_is_one_call_per_pool(
+    redis_ledger: tuple[Any, RedisLedger],
+) -> None:
     redis, ledger = redis_ledger
     leases = await _leases_in_two_pools(ledger, 30)
     _reset_stats(redis)
@@ -85,7 +90,24 @@ async def test_renewing_many_leases_is_one_call_per_pool(redis_ledger) -> None:
     assert _commandstats(redis).get("evalsha") == 2
 
 
-async def test_releases_that_queue_up_go_in_one_call_per_pool(redis_ledger) -> None:
+async def test_growing_leases_takes_one_call_per_pool_and_a_flush_keeps_the_growth(
+    redis_ledger: tuple[Any, RedisLedger],
+) -> None:
+    redis, ledger = redis_ledger
+    grown = [replace(lease, blocks=3) for lease in await _leases_in_two_pools(ledger, 10)]
+    _reset_stats(redis)
+    assert await ledger.reassert(grown, 30) == 0
+    assert _commandstats(redis).get("evalsha") == 2
+    redis.flushall()  # what a restart without persistence leaves
+    assert await ledger.reassert(grown, 30) == 10  # recorded again, grown
+    for pool in "pq":
+        usage = await ledger.usage(pool)
+        assert (usage.reserved, usage.leases, usage.tenants) == (15, 5, {"a": 15})
+
+
+async def test_releases_that_queue_up_go_in_one_call_per_pool(
+    redis_ledger: tuple[Any, RedisLedger],
+) -> None:
     redis, ledger = redis_ledger
     leases = await _leases_in_two_pools(ledger, 40)
     _reset_stats(redis)
@@ -102,7 +124,7 @@ async def test_releases_that_queue_up_go_in_one_call_per_pool(redis_ledger) -> N
 
 
 async def test_a_long_queue_of_releases_goes_in_bounded_calls(
-    redis_ledger, monkeypatch: pytest.MonkeyPatch
+    redis_ledger: tuple[Any, RedisLedger], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     redis, ledger = redis_ledger
     monkeypatch.setattr(redis_ledger_module, "LEASES_PER_CALL", 4)
@@ -114,7 +136,7 @@ async def test_a_long_queue_of_releases_goes_in_bounded_calls(
 
 
 async def test_a_release_waits_for_the_call_in_flight_then_goes_in_the_next(
-    redis_ledger,
+    redis_ledger: tuple[Any, RedisLedger],
 ) -> None:
     redis, ledger = redis_ledger
     first, second, third = [
@@ -134,7 +156,9 @@ async def test_a_release_waits_for_the_call_in_flight_then_goes_in_the_next(
     assert (await ledger.usage("p")).reserved == 0
 
 
-async def test_a_reserve_cancelled_after_its_script_ran_leaves_no_lease(redis_ledger) -> None:
+async def test_a_reserve_cancelled_after_its_script_ran_leaves_no_lease(
+    redis_ledger: tuple[Any, RedisLedger],
+) -> None:
     redis, direct = redis_ledger
     async with through_proxies(redis) as (proxies, ledger):
         await ledger.start()  # connections open, scripts registered, slots discovered
@@ -143,7 +167,9 @@ async def test_a_reserve_cancelled_after_its_script_ran_leaves_no_lease(redis_le
         await until_usage(direct, 0, 0)  # the ledger released it itself
 
 
-async def test_a_redis_without_the_scripts_runs_them_anyway(redis_ledger) -> None:
+async def test_a_redis_without_the_scripts_runs_them_anyway(
+    redis_ledger: tuple[Any, RedisLedger],
+) -> None:
     redis, ledger = redis_ledger
     await ledger.start()
     for node in redis.nodes if isinstance(redis, RedisCluster) else [redis]:
@@ -157,7 +183,9 @@ async def test_a_redis_without_the_scripts_runs_them_anyway(redis_ledger) -> Non
     assert (await ledger.usage("p")).reserved == 20
 
 
-async def test_a_pool_whose_state_vanished_is_reported_once(redis_ledger) -> None:
+async def test_a_pool_whose_state_vanished_is_reported_once(
+    redis_ledger: tuple[Any, RedisLedger],
+) -> None:
     redis, ledger = redis_ledger
     resets: list[str] = []
     ledger.on_reset = resets.append

@@ -1,9 +1,11 @@
 """The ResilientLedger over a real redis-server that a proxy cuts off or holds back: what it
-admits when Redis is unreachable, what it replays when Redis is back, and how it watches."""
+admits when Redis is unreachable, what it replays when Redis is back, how it watches, and how
+a lease that grew keeps its blocks across an outage or a restart."""
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ from kvguard.ledger.redis_ledger import RedisLedger
 from kvguard.ledger.resilient import ResilientLedger, local_share
 from kvguard.testing.redis import RedisServer
 from kvguard.testing.wait import wait_until
-from tests.ledger.conftest import DEADLINE_S, claim, until_usage
+from tests.ledger.conftest import DEADLINE_S, PATIENT_S, claim, until_usage
 from tests.ledger.proxies import reserve_then_cancel, through_proxies
 
 
@@ -113,6 +115,80 @@ async def test_a_lease_released_while_a_pool_reset_reasserts_is_released_again(
             proxies.restore()
             await until_usage(direct, 10, 1)  # released again on recovery
             assert [lease.lease_id for lease in keeper.snapshot()] == ["open"]
+        finally:
+            await ledger.close()
+
+
+@pytest.mark.redis
+async def test_a_reassert_after_a_redis_restart_keeps_a_grown_lease(tmp_path: Path) -> None:
+    with RedisServer(tmp_path / "redis") as redis:
+        keeper: LeaseKeeper
+        ledger = ResilientLedger(
+            RedisLedger.from_url(redis.url, timeout_s=PATIENT_S),
+            open_leases=lambda: keeper.snapshot(),
+            probe_interval_s=0.02,
+            heartbeat_s=0.05,
+        )
+        keeper = LeaseKeeper(ledger, 60)
+        view = RedisLedger.from_url(redis.url, timeout_s=PATIENT_S)
+        try:
+            await ledger.start()
+            lease = (await ledger.reserve(claim("L", 10))).lease
+            assert lease is not None
+            grown = replace(lease, blocks=70)  # past the quota (60): growth is always granted
+            keeper.hold(grown)
+            assert await keeper.renew_all() == 0
+            await until_usage(view, 70, 1)
+            await asyncio.to_thread(redis.restart)  # empty, on the same port
+            await until_usage(view, 70, 1)  # re-asserted by the watcher, grown
+            assert (await view.usage("p")).tenants == {"a": 70}
+            keeper.release(grown)
+            await keeper.settle()
+            await until_usage(view, 0, 0)
+        finally:
+            await view.close()
+            await ledger.close()
+
+
+@pytest.mark.redis
+async def test_growth_during_an_outage_reaches_the_local_ledger_then_redis(
+    redis_server: RedisServer, direct: RedisLedger
+) -> None:
+    async with through_proxies(redis_server) as (proxies, primary):
+        keeper: LeaseKeeper
+        ledger = ResilientLedger(
+            primary,
+            on_unavailable="local",
+            open_leases=lambda: keeper.snapshot(),
+            probe_interval_s=0.02,
+            heartbeat_s=30,
+        )
+        keeper = LeaseKeeper(ledger, 60)
+        try:
+            await ledger.start()
+            before = (await ledger.reserve(claim("A", 10, tenant="a"))).lease  # in Redis
+            assert before is not None
+            keeper.hold(before)
+            proxies.cut()
+            during = (await ledger.reserve(claim("B", 10, tenant="b"))).lease  # taken locally
+            assert not ledger.reachable and during is not None
+            keeper.hold(during)
+            for lease, blocks in ((before, 40), (during, 25)):
+                keeper.hold(replace(lease, blocks=blocks))
+            assert await keeper.renew_all() == 0
+            local = await ledger.usage("p")
+            assert (local.reserved, local.tenants) == (65, {"a": 40, "b": 25})
+            assert (await direct.usage("p")).reserved == 10  # Redis has not seen it yet
+            keeper.hold(replace(during, blocks=30))  # grown again, not re-asserted yet
+            proxies.restore()
+            await wait_until(lambda: ledger.reachable, "Redis to be back", timeout_s=DEADLINE_S)
+            # Recovery sends the keeper's leases as they are now, not the copy taken locally.
+            usage = await direct.usage("p")
+            assert (usage.reserved, usage.leases, usage.tenants) == (70, 2, {"a": 40, "b": 30})
+            for lease in keeper.snapshot():
+                keeper.release(lease)
+            await keeper.settle()
+            await until_usage(direct, 0, 0)
         finally:
             await ledger.close()
 

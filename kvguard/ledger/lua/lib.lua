@@ -35,15 +35,19 @@ local function pool_reserved()
   return tonumber(redis.call('GET', KEYS[4]) or '0')
 end
 
+-- A lease's stored value "<blocks>:<tenant>" as blocks, tenant (the tenant may hold ':').
+local function parse(value)
+  local sep = string.find(value, ':', 1, true)
+  return tonumber(string.sub(value, 1, sep - 1)), string.sub(value, sep + 1)
+end
+
 -- Remove one lease and give its blocks back; returns the blocks (0 for an unknown lease).
 local function drop(lease_id)
   local value = redis.call('HGET', KEYS[1], lease_id)
   if not value then
     return 0
   end
-  local sep = string.find(value, ':', 1, true)
-  local blocks = tonumber(string.sub(value, 1, sep - 1))
-  local tenant = string.sub(value, sep + 1)
+  local blocks, tenant = parse(value)
   redis.call('HDEL', KEYS[1], lease_id)
   redis.call('ZREM', KEYS[2], lease_id)
   if redis.call('HINCRBY', KEYS[3], tenant, -blocks) <= 0 then
@@ -61,6 +65,14 @@ local function record(lease_id, tenant, blocks, expiry)
   redis.call('ZADD', KEYS[2], expiry, lease_id)
   redis.call('HINCRBY', KEYS[3], tenant, blocks)
   redis.call('INCRBY', KEYS[4], blocks)
+end
+
+-- Count `growth` more blocks for a held lease of `tenant` (no checks), which then counts
+-- `blocks` in all: drop() gives back the grown amount.
+local function grow(lease_id, tenant, growth, blocks)
+  redis.call('HSET', KEYS[1], lease_id, blocks .. ':' .. tenant)
+  redis.call('HINCRBY', KEYS[3], tenant, growth)
+  redis.call('INCRBY', KEYS[4], growth)
 end
 
 -- Reclaim leases whose expiry is at or before `now` (the memory ledger's rule too).

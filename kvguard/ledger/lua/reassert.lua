@@ -2,7 +2,9 @@
 -- idempotently: a lease already held is renewed, a missing one (Redis restarted empty, or it
 -- expired while its stream was still open, or it was taken on the local fallback ledger during
 -- an outage) is recorded again WITHOUT limit checks: its request is running whatever the limits
--- say, and the ledger must count it.
+-- say, and the ledger must count it. A held lease sent with more blocks than it counts grows to
+-- them (pool and tenant reserved rise by the difference), also without checks; one sent with
+-- fewer keeps its count: counted blocks never shrink.
 -- KEYS: leases, expiries, tenants, reserved, epoch of one pool (see lib.lua), hash-tagged {pool}.
 -- ARGV[1] lease time (ms); then one triple per lease: ARGV[2+3i] lease id, ARGV[3+3i] tenant,
 --   ARGV[4+3i] blocks.
@@ -17,8 +19,13 @@ local added = 0
 for i = 2, #ARGV, 3 do
   local lease_id, tenant = ARGV[i], ARGV[i + 1]
   local blocks = positive_int(ARGV[i + 2], 'blocks')
-  if redis.call('HEXISTS', KEYS[1], lease_id) == 1 then
+  local value = redis.call('HGET', KEYS[1], lease_id)
+  if value then
     redis.call('ZADD', KEYS[2], 'XX', now + lease_ms, lease_id)
+    local counted, held_by = parse(value)
+    if blocks > counted then
+      grow(lease_id, held_by, blocks - counted, blocks)
+    end
   else
     record(lease_id, tenant, blocks, now + lease_ms)
     added = added + 1
