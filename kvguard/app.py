@@ -6,15 +6,18 @@ import asyncio
 import gc
 import logging
 import signal
+import time
 from pathlib import Path
 
 from kvguard import config as configs
 from kvguard.admin.service import AdminService
 from kvguard.admission import policy as policies
 from kvguard.admission.admit import Admission, AdmissionSettings
+from kvguard.admission.calibration import Calibration
 from kvguard.admission.capacity import Capacities
 from kvguard.admission.leases import LeaseKeeper
 from kvguard.admission.outputs import OutputLengths
+from kvguard.admission.record import Completion
 from kvguard.config.reload import PolicyWatcher
 from kvguard.config.schema import Config
 from kvguard.extproc.server import GrpcServer
@@ -68,7 +71,12 @@ class Service:
         # Pools with capacity.endpoints: read from vLLM's /metrics, refreshed (see start()), which
         # also teaches what their requests produce.
         self.outputs = OutputLengths()
-        self.discovery = Discovery(lambda: self.policy, self.capacities, outputs=self.outputs)
+        # What calibrated reservations read: learnt from vLLM's histograms and the completions
+        # kvguard reads.
+        self.calibration = Calibration(self.outputs)
+        self.discovery = Discovery(
+            lambda: self.policy, self.capacities, calibration=self.calibration
+        )
         self.health.set("tokenizers", True)
         self._watcher = None
         if config_path is not None:
@@ -93,7 +101,15 @@ class Service:
             on_error=self.metrics.record_ledger_error,
         )
         self.counter = PromptCounter()
-        self.keeper = LeaseKeeper(self.ledger, config.ledger.lease_seconds)
+        self.keeper = LeaseKeeper(
+            self.ledger,
+            config.ledger.lease_seconds,
+            decode_rate=self.discovery.decode_rate,
+            trust=self.calibration.overcommit.trust,
+            on_release=lambda lease: self.calibration.engine.released(
+                lease.pool, lease.lease_id, lease.blocks
+            ),
+        )
         self.admission = Admission(
             self.ledger,
             self.counter,
@@ -103,6 +119,7 @@ class Service:
                 config.ledger.lease_seconds,
                 config.ledger.on_unavailable,
             ),
+            self.calibration,
         )
         # The share of guarded exchanges whose response is read: the configuration's, unless the
         # caller gives another.
@@ -114,6 +131,7 @@ class Service:
             self.keeper,
             self.telemetry,
             sample=response_sample,
+            on_completion=self._learn,
         )
         admin = AdminService(lambda: self.policy, self.ledger, self.capacities, self.keeper)
         self.grpc = GrpcServer(
@@ -155,7 +173,12 @@ class Service:
             self.grpc.port,
             allocator(),
         )
-        jobs = [self.keeper.renew_forever(), self._refresh_view(), self.discovery.run()]
+        jobs = [
+            self.keeper.renew_forever(),
+            self.keeper.grow_forever(),
+            self._refresh_view(),
+            self.discovery.run(),
+        ]
         if self._watcher is not None:
             jobs.append(self._watcher.run())
         self._tasks = [asyncio.create_task(job) for job in jobs]
@@ -197,6 +220,16 @@ class Service:
         await self.stop(self.config.server.drain_seconds)
         log.info("kvguard stopped")
 
+    def _learn(self, completion: Completion) -> None:
+        """Learn what a released lease's request produced, per sequence, where it is known."""
+        pool = self.policy.pools.get(completion.pool)
+        if completion.completion_tokens is None or pool is None:
+            return
+        tokens = -(-completion.completion_tokens // max(1, completion.sequences))
+        self.calibration.observe(
+            pool.config, completion.tier, completion.tenant, tokens, time.monotonic()
+        )
+
     async def _refresh_view(self) -> None:
         """Keep the gauges' view of the ledger and capacities current (the ledger is shared)."""
         view = self.metrics.view
@@ -218,6 +251,9 @@ class Service:
             view.capacity, view.reserved, view.tenants = capacity, reserved, tenants
             view.capacity_age_s = self.discovery.ages()
             view.used = self.discovery.used_blocks()
+            view.preemptions = self.discovery.preemptions_total()
+            view.waiting = self.discovery.waiting()
+            view.trust = self.discovery.trust()
             await asyncio.sleep(VIEW_REFRESH_S)
 
 

@@ -8,10 +8,13 @@ the injected ledger; build the answer.
 from __future__ import annotations
 
 import json
+import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvguard.admission import decide
+from kvguard.admission.calibration import Calibration, Growth
 from kvguard.admission.capacity import Capacities
 from kvguard.admission.decide import RETRY_AFTER_S, SHADOWABLE
 from kvguard.admission.policy import Identity, Policy
@@ -46,6 +49,9 @@ class Admitted:
     # word, not headers a client could send) and its route turns `max_tokens` into
     # x-kvguard-max-tokens.
     metadata: dict[str, str] = field(default_factory=dict)
+    # How its lease grows as it decodes; None when it reserved its whole limit.
+    growth: Growth | None = None
+    sequences: int = 1  # prompts x n: what it produces is shared by this many sequences
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,11 +72,16 @@ class Admission:
         counter: PromptCounter,
         capacities: Capacities,
         settings: AdmissionSettings,
+        calibration: Calibration | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.ledger = ledger
         self.counter = counter
         self.capacities = capacities
         self.settings = settings
+        # Learnt output lengths, for pools and tiers in calibrated mode; None: worst case always.
+        self.calibration = calibration
+        self.clock = clock
 
     async def decide(
         self, policy: Policy, kind: Kind, identity: Identity, raw: bytes, decision: Decision
@@ -119,20 +130,46 @@ class Admission:
             max_model_len=pool.config.max_model_len,
         )
         prompt_total = decision.prompt_tokens = sum(prompt_tokens)
-        counted = decide.Counted(kind, request.limits, prompt_tokens, request.min_tokens, request.n)
-        plan = decide.plan(counted, pool.config, identity.tenant, identity.tier, capacity)
+        counted = decide.Counted(
+            kind,
+            request.limits,
+            prompt_tokens,
+            request.min_tokens,
+            request.n,
+            request.runs_to_limit,
+        )
+        now = self.clock()
+        estimate = None
+        if self.calibration is not None:
+            estimate = self.calibration.estimate(
+                pool.config, identity.tier_name, identity.tier, identity.tenant, now
+            )
+        plan = decide.plan(counted, pool.config, identity.tenant, identity.tier, capacity, estimate)
         limits = plan.limits
         decision.requested_max_tokens, decision.max_tokens = limits.requested, limits.max_tokens
         decision.blocks, decision.reserved_output = plan.blocks, plan.reserved_output
+        decision.reserved_from = plan.reserved_from
         claim = decide.claim(plan, uuid.uuid4().hex, self.settings.lease_seconds)
+        # A calibrated reservation fits beside what vLLM really holds, too.
+        engine = self.calibration.engine if self.calibration is not None else None
+        calibrated = engine is not None and plan.reserved_from != "worst_case"
+        if engine is not None and calibrated:
+            decide.engine_room(plan, engine.held(pool.name))
         body = None  # built before the reserve: nothing may fail between it and the answer
         if limits.fields != request.limits:
             body = json.dumps({**request.body, **limits.fields}, ensure_ascii=False).encode()
         lease = await self._reserve(claim)
-        metadata = {"blocks": str(plan.blocks), "prompt_tokens": str(prompt_total)}
+        if engine is not None and calibrated and lease is not None:
+            engine.admitted(pool.name, lease.lease_id, plan.blocks)
+        metadata = {
+            "blocks": str(plan.blocks),
+            "prompt_tokens": str(prompt_total),
+            "reserved_output": str(plan.reserved_output),
+        }
         headers = {
             "x-kvguard-blocks": metadata["blocks"],
             "x-kvguard-prompt-tokens": metadata["prompt_tokens"],
+            "x-kvguard-reserved-output": metadata["reserved_output"],
         }
         if lease is not None:
             headers["x-kvguard-lease"] = metadata["lease"] = lease.lease_id
@@ -140,8 +177,28 @@ class Admission:
             metadata["tenant"] = identity.tenant
         if policy.tenancy.expose_limit_header:
             metadata["max_tokens"] = str(limits.max_tokens)
+        growth = None
+        if plan.reserved_output < limits.max_tokens:
+            growth = Growth(
+                pool.name,
+                tuple(prompt_tokens),
+                request.n,
+                capacity.block_size,
+                limits.max_tokens,
+                plan.reserved_output,
+                now,
+                estimate,
+            )
         return Admitted(
-            pool.name, lease, body, headers, prompt_total, plan.blocks, metadata=metadata
+            pool.name,
+            lease,
+            body,
+            headers,
+            prompt_total,
+            plan.blocks,
+            metadata=metadata,
+            growth=growth,
+            sequences=len(prompt_tokens) * request.n,
         )
 
     async def _reserve(self, claim: Claim) -> Lease | None:

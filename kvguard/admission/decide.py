@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvguard.admission.calibration import Estimate
 from kvguard.admission.capacity import PoolCapacity
 from kvguard.admission.estimate import Limits, blocks_needed, clamp
 from kvguard.config.schema import Pool, Tier
@@ -43,6 +44,7 @@ class Counted:
     prompt_tokens: list[int]  # one count per prompt, never empty
     min_tokens: int = 0
     n: int = 1  # sequences per prompt
+    runs_to_limit: bool = False  # ignore_eos or beam search: it reserves the whole limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +58,7 @@ class Plan:
     quota: int  # most blocks the tenant may hold in the pool
     pool_limit: int  # most blocks the pool may hold: capacity less the watermark
     reserved_output: int  # output tokens each sequence reserves: the limit, or less
+    reserved_from: str = "worst_case"  # what sized reserved_output: worst_case or the estimate's
 
 
 def capacity_known(pool: str, capacity: PoolCapacity | None) -> PoolCapacity:
@@ -75,15 +78,16 @@ def plan(
     tenant: str,
     tier: Tier,
     capacity: PoolCapacity,
-    reserve_output: int | None = None,
+    estimate: Estimate | None = None,
 ) -> Plan:
     """Size `request` for `tenant` of `tier` in `pool`: clamp or inject the output limit and
     turn prompt + reserved output into blocks. Raises Refusal when the prompt leaves no room for
     output or `min_tokens` cannot be honoured.
 
-    `reserve_output` is the output each sequence reserves, in tokens: None reserves the whole
-    limit (the worst case, what `serve` does); a reservation policy's estimate is capped by the
-    limit and raised to `min_tokens` (and to one token)."""
+    Each sequence reserves its whole output limit (the worst case) unless an `estimate` is
+    given and the request may stop early (no ignore_eos, no beam search): then what the
+    estimate reserves under that limit, at least `min_tokens` (and one token), at most the
+    limit."""
     limits = clamp(
         request.kind,
         request.limits,
@@ -92,12 +96,17 @@ def plan(
         max(request.prompt_tokens),
         request.min_tokens,
     )
-    reserved = limits.max_tokens
-    if reserve_output is not None:
-        reserved = max(1, request.min_tokens, min(reserve_output, limits.max_tokens))
+    reserved, reserved_from = limits.max_tokens, "worst_case"
+    if estimate is not None and not request.runs_to_limit:
+        # Never above the limit: an echo-only completion's limit is 0.
+        at_least = max(1, request.min_tokens, estimate.reserve(limits.max_tokens))
+        reserved = min(limits.max_tokens, at_least)
+        reserved_from = estimate.source
     blocks = blocks_needed(request.prompt_tokens, reserved, request.n, capacity.block_size)
     pool_limit = capacity.limit(pool.watermark)
-    return Plan(pool.name, tenant, limits, blocks, tier.max_blocks, pool_limit, reserved)
+    return Plan(
+        pool.name, tenant, limits, blocks, tier.max_blocks, pool_limit, reserved, reserved_from
+    )
 
 
 def claim(plan: Plan, lease_id: str, lease_seconds: float) -> Claim:
@@ -113,6 +122,18 @@ def claim(plan: Plan, lease_id: str, lease_seconds: float) -> Claim:
     return Claim(
         lease_id, plan.pool, plan.tenant, plan.blocks, plan.pool_limit, plan.quota, lease_seconds
     )
+
+
+def engine_room(plan: Plan, engine_held: int | None) -> None:
+    """Raises the watermark refusal when `plan` does not fit under the pool limit beside the
+    blocks the engine holds by its own word (`engine_held`, None when unknown): a calibrated
+    reservation is bounded by what vLLM really holds, not only by what the ledger counts."""
+    if engine_held is not None and engine_held + plan.blocks > plan.pool_limit:
+        raise Refusal(
+            Code.KV_CACHE_WATERMARK_EXCEEDED,
+            f"the KV cache of pool {plan.pool!r} is full; retry later",
+            retry_after_s=RETRY_AFTER_S,
+        )
 
 
 def refusal(outcome: Outcome, claim: Claim) -> Refusal | None:

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import time
+from collections.abc import Callable
 
+from kvguard.admission.calibration import DEFAULT_DECODE_RATE, Growth
 from kvguard.ledger import Lease, Ledger
 
 # Lease goes with the keeper: callers hold leases without importing the ledger.
 __all__ = ["Lease", "LeaseKeeper"]
 
 log = logging.getLogger(__name__)
+
+# How often growing leases are raised to what their requests hold by now.
+GROW_INTERVAL_S = 1.0
 
 
 class LeaseKeeper:
@@ -19,25 +26,57 @@ class LeaseKeeper:
     `release` is safe to call any number of times: only the first call reaches the ledger.
     """
 
-    def __init__(self, ledger: Ledger, lease_seconds: float) -> None:
+    def __init__(
+        self,
+        ledger: Ledger,
+        lease_seconds: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        decode_rate: Callable[[str], float | None] = lambda _pool: None,
+        trust: Callable[[str], float] = lambda _pool: 1.0,
+        on_release: Callable[[Lease], None] = lambda _lease: None,
+    ) -> None:
         self._ledger = ledger
         self._lease_seconds = lease_seconds
+        self._clock = clock
+        self._decode_rate = decode_rate  # tokens/s per sequence of a pool, None while unknown
+        self._trust = trust  # how far a pool's reservations trust their estimate (the loop)
+        self._on_release = on_release  # told of each lease as its release starts
         self._open: dict[str, Lease] = {}
+        self._growing: dict[str, Growth] = {}
+        self._seen: dict[str, int] = {}  # output tokens seen in a growing lease's stream
         self._releasing: set[asyncio.Task[None]] = set()
 
-    def hold(self, lease: Lease) -> None:
+    def hold(self, lease: Lease, growth: Growth | None = None) -> None:
+        """Hold `lease` until its stream ends; with `growth`, its blocks follow its request."""
         self._open[lease.lease_id] = lease
+        if growth is not None and growth.grows:
+            self._growing[lease.lease_id] = growth
+
+    def seen(self, lease_id: str, tokens: int) -> None:
+        """`tokens` output tokens (of all its sequences) were seen in the lease's stream."""
+        growth = self._growing.get(lease_id)
+        if growth is not None:
+            self._seen[lease_id] = -(-tokens // (len(growth.prompt_tokens) * growth.n))
 
     def forget(self, lease_id: str) -> None:
         """Stop holding a lease that someone else releases (an operator, through the admin API):
         no renewal may record it again."""
         self._open.pop(lease_id, None)
+        self._stop_growing(lease_id)
 
     def release(self, lease: Lease) -> None:
         """Start releasing `lease` if it is still held; never raises, never blocks."""
-        if self._open.pop(lease.lease_id, None) is None:
+        held = self._open.pop(lease.lease_id, None)
+        if held is None:
             return
+        self._stop_growing(lease.lease_id)
+        self._on_release(held)  # as counted: grown, where it grew
         self._start_release(lease)
+
+    def _stop_growing(self, lease_id: str) -> None:
+        self._growing.pop(lease_id, None)
+        self._seen.pop(lease_id, None)
 
     def _start_release(self, lease: Lease) -> None:
         # A task of its own: the stream that ends may be cancelled itself.
@@ -74,7 +113,38 @@ class LeaseKeeper:
         """Re-assert every open lease in one ledger call (one script call per pool on Redis):
         renewed for the lease time, or recorded again if the ledger lost it (a Redis that
         restarted empty converges to the open streams). Returns how many were recorded again."""
-        leases = self.snapshot()
+        return await self._reassert(self.snapshot())
+
+    async def grow_forever(self, interval_s: float = GROW_INTERVAL_S) -> None:
+        """Raise growing leases to what their requests hold, every `interval_s` seconds."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.grow_all()
+            except Exception:
+                log.exception("growing %d leases failed", len(self._growing))
+
+    async def grow_all(self) -> list[Lease]:
+        """Count each growing lease's blocks as its request holds them by now (the elapsed time
+        at its pool's decode rate, or the tokens seen in its stream; its estimate reserved again
+        when the loop lost trust since), in one re-assert of the leases that grew: always
+        granted, so that the ledger tells the truth. Returns them."""
+        now = self._clock()
+        grown: list[Lease] = []
+        for lease_id, growth in list(self._growing.items()):
+            lease = self._open[lease_id]
+            rate = self._decode_rate(growth.pool) or DEFAULT_DECODE_RATE
+            trust = self._trust(growth.pool)
+            blocks = growth.blocks_at(now, rate, self._seen.get(lease_id, 0), trust)
+            if blocks > lease.blocks:
+                lease = self._open[lease_id] = dataclasses.replace(lease, blocks=blocks)
+                grown.append(lease)
+            if blocks >= growth.limit_blocks:
+                self._stop_growing(lease_id)  # at its limit: the worst case, nothing to follow
+        await self._reassert(grown)
+        return grown
+
+    async def _reassert(self, leases: list[Lease]) -> int:
         if not leases:
             return 0
         try:

@@ -9,12 +9,30 @@ admission may read it and the simulator may feed it.
 from __future__ import annotations
 
 import math
+import zlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 # How far back a pool's distribution reaches, in seconds of scrape time.
 WINDOW_S = 900.0
+
+
+class Sampler:
+    """Picks `share` of the exchanges by their request id (0 picks none, 1 every one with an
+    id). The id decides, not a random draw: Envoy makes it a random UUID, so the share holds,
+    and the same request is picked by every kvguard replica and every test run alike."""
+
+    def __init__(self, share: float) -> None:
+        if not 0 <= share <= 1:
+            raise ValueError(f"the sampled share {share} is not in [0, 1]")
+        self.share = share
+        self._below = round(share * 2**32)
+
+    def pick(self, request_id: str) -> bool:
+        if not request_id or self._below == 0:
+            return False
+        return zlib.crc32(request_id.encode()) < self._below
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +127,7 @@ class _Pool:
     window: deque[Observed]
     generated: Histogram | None = None  # everything learnt since kvguard started
     requested: Histogram | None = None
+    in_window: Histogram | None = None  # the generated histogram over the window, once summed
 
 
 class OutputLengths:
@@ -129,6 +148,7 @@ class OutputLengths:
             state.requested = _sum(state.requested, observed.requested)
         while state.window and observed.at - state.window[0].at > self._window_s:
             state.window.popleft()
+        state.in_window = None
 
     def retain(self, pools: set[str]) -> None:
         """Forget the pools no longer discovered."""
@@ -139,8 +159,14 @@ class OutputLengths:
         return sorted(self._pools)
 
     def generated(self, pool: str) -> Histogram | None:
-        """Output tokens per request over the window; None before the first scrape."""
-        return self._window_sum(pool, lambda o: o.generated)
+        """Output tokens per request over the window; None before the first scrape. Summed once
+        per scrape: admissions read it."""
+        state = self._pools.get(pool)
+        if state is None:
+            return None
+        if state.in_window is None:
+            state.in_window = self._window_sum(pool, lambda o: o.generated)
+        return state.in_window
 
     def requested(self, pool: str) -> Histogram | None:
         """The max_tokens of the same requests over the window."""

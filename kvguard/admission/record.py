@@ -22,6 +22,7 @@ class Decision:
     requested_max_tokens: int | None = None  # the client's limit; None when it sent none
     max_tokens: int | None = None  # the limit vLLM applies (clamped or injected)
     reserved_output: int | None = None  # output tokens per sequence the lease reserves
+    reserved_from: str | None = None  # worst_case, or the estimate's source (tenant|tier|pool)
     outcome: str = "refused"  # admitted | refused | shadow_refused | cancelled
     reason: str = ""  # the refusal code; "" when admitted or cancelled
 
@@ -50,6 +51,7 @@ class Completion:
     completion_tokens: int | None = None  # where known: the response's usage, or its events
     finish_reason: str | None = None  # the first choice's, where seen
     source: str = ""  # usage | events (a stream without usage: one event per token) | ""
+    sequences: int = 1  # prompts x n: completion_tokens is their sum
 
     def attributes(self) -> dict[str, str | int]:
         out = _present(self, _COMPLETION_ATTRIBUTES)
@@ -61,7 +63,7 @@ class Completion:
 # The fields the span and log lines carry, in their order; a field that is None is left out.
 _DECISION_ATTRIBUTES = (
     "request_id", "tenant", "tier", "pool", "outcome", "reason", "prompt_tokens", "blocks",
-    "requested_max_tokens", "max_tokens", "reserved_output",
+    "requested_max_tokens", "max_tokens", "reserved_output", "reserved_from",
 )  # fmt: skip
 _COMPLETION_ATTRIBUTES = (
     "request_id", "tenant", "tier", "pool", "lease", "reserved_output", "completion_tokens",

@@ -153,10 +153,15 @@ def _check_authority(url: str) -> None:
             )
 
 
+ReservationMode = Literal["worst_case", "calibrated"]
+
+
 class Tier(_Strict):
     max_tokens_cap: PositiveInt
     default_max_tokens: PositiveInt
     max_blocks: PositiveInt
+    # Replaces the pool's reservation mode for this tier's requests; None keeps the pool's.
+    reservation_mode: ReservationMode | None = None
 
     @model_validator(mode="after")
     def _default_within_cap(self) -> Tier:
@@ -256,6 +261,21 @@ MEDIA_PART_TYPES = (
 )
 
 
+class Reservation(_Strict):
+    """What an admitted request reserves for its output (docs/configuration.md).
+
+    `worst_case`: its whole clamped limit. `calibrated`: min(limit, max(min_tokens, estimate)),
+    the estimate being the `quantile` of what this pool's requests of the tier (of the tenant,
+    once it has `min_samples` of its own) produced over the last `window_seconds`; worst case
+    until `min_samples` exist. Either way the limit sent to vLLM is the same."""
+
+    mode: ReservationMode = "worst_case"
+    quantile: Annotated[float, Field(ge=0.5, le=1)] = 0.5
+    min_samples: PositiveInt = 50
+    min_tokens: PositiveInt = 16
+    window_seconds: Annotated[float, Field(gt=0, le=86400)] = 900.0
+
+
 class Pool(_Strict):
     name: str
     models: list[str] = Field(min_length=1)
@@ -265,6 +285,7 @@ class Pool(_Strict):
     watermark: Annotated[float, Field(ge=0, lt=1)] = 0.15
     capacity: Capacity
     media_tokens: dict[str, PositiveInt] = {}  # tokens counted per media part of that type
+    reservation: Reservation = Reservation()
 
     @model_validator(mode="after")
     def _known_media_parts(self) -> Pool:

@@ -11,36 +11,21 @@ both are in, or `JOIN_WAIT_S` after the lease's stream ended without what its re
 from __future__ import annotations
 
 import asyncio
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvguard.admission.outputs import Sampler
 from kvguard.admission.record import Completion
 from kvguard.config.schema import ServerSettings
 from kvguard.extproc.usage import Produced
+
+__all__ = ["DEFAULT_SAMPLE", "JOIN_WAIT_S", "Completions", "Sampler"]
 
 # The share of guarded exchanges whose response kvguard reads: server.response_sample's default.
 DEFAULT_SAMPLE: float = ServerSettings.model_fields["response_sample"].default
 # How long a released lease waits for its observed response's last chunk before it is recorded
 # without it (the two ext_proc streams end at about the same time).
 JOIN_WAIT_S = 2.0
-
-
-class Sampler:
-    """Picks `share` of the exchanges by their request id (0 picks none, 1 every one with an
-    id). The id decides, not a random draw: Envoy makes it a random UUID, so the share holds,
-    and the same request is picked by every kvguard replica and every test run alike."""
-
-    def __init__(self, share: float) -> None:
-        if not 0 <= share <= 1:
-            raise ValueError(f"the sampled share {share} is not in [0, 1]")
-        self.share = share
-        self._below = round(share * 2**32)
-
-    def pick(self, request_id: str) -> bool:
-        if not request_id or self._below == 0:
-            return False
-        return zlib.crc32(request_id.encode()) < self._below
 
 
 @dataclass

@@ -80,13 +80,15 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
         telemetry: Telemetry,
         *,
         sample: float = DEFAULT_SAMPLE,
+        on_completion: Callable[[Completion], None] | None = None,
     ) -> None:
         self._policy = policy
         self._admission = admission
         self._keeper = keeper
         self._telemetry = telemetry
         self._sampler = Sampler(sample)
-        self.completions = Completions(telemetry.released)
+        self._on_completion = on_completion
+        self.completions = Completions(self._completed)
         self._open_streams = 0
         self._own_errors = ThrottledWarnings(log)  # under overload, one a place per 10 s
 
@@ -180,6 +182,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
                     decision.pool,
                     admitted.lease.lease_id,
                     decision.reserved_output,
+                    sequences=admitted.sequences,
                 ),
                 observed=exchange.observed,
             )
@@ -235,8 +238,14 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
             exchange.policy, kind, identity, body, exchange.decision
         )
         if admitted.lease is not None:
-            self._keeper.hold(admitted.lease)
+            self._keeper.hold(admitted.lease, admitted.growth)
         return admitted
+
+    def _completed(self, completion: Completion) -> None:
+        """A released lease's record: logged and measured, then learnt from."""
+        self._telemetry.released(completion)
+        if self._on_completion is not None:
+            self._on_completion(completion)
 
     def _on_observed(self, exchange: _Exchange, message: ProcessingRequest) -> None:
         """A message of an observing stream: read the response body of the lease named in the
@@ -256,6 +265,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
                 exchange.observing, exchange.reader = lease, BodyReader()
             body = message.response_body
             exchange.reader.feed(body.body)
+            self._keeper.seen(exchange.observing, exchange.reader.events)
             if body.end_of_stream:
                 self.completions.produced(exchange.observing, exchange.reader.done())
                 exchange.reader = None

@@ -41,6 +41,11 @@ class BodyReader:
         self._finish: str | None = None
         self._too_large = False
 
+    @property
+    def events(self) -> int:
+        """Events with choices read so far: a stream's output tokens, one event each."""
+        return self._events
+
     def feed(self, chunk: bytes) -> None:
         if self._kind is None:
             start = chunk.lstrip()[:1]

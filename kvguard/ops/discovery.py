@@ -16,6 +16,21 @@ The same scrape teaches what requests produce: the deltas of vLLM's own histogra
 (a counter that went down is a restarted server, whose counts start again), summed over a
 pool's endpoints, go to `admission.outputs.OutputLengths`; `vllm:kv_cache_usage_perc` gives
 the blocks vLLM holds. Both come from the text already parsed for the capacity.
+
+It also drives calibrated reservations' loop with the engine (`admission.calibration`): each
+round that read an endpoint gives the pool's `Overcommit` the preemptions vLLM counted since the
+last (`vllm:num_preemptions_total`, its deltas summed over the pool's endpoints; a counter that
+went down is a restart, whose whole count is new). An endpoint's first reading is the baseline
+and counts no preemption: what happened before kvguard watched says nothing of its
+reservations. The same round gives the decode rate, in tokens per second per sequence: the
+intervals between a sequence's consecutive tokens that vLLM observed since the last round,
+divided by their seconds (`vllm:inter_token_latency_seconds`, or
+`vllm:time_per_output_token_seconds` on an older vLLM; a first reading counts what the server
+observed since it started; a round without any keeps the last rate). The requests waiting in
+vLLM's queues (`vllm:num_requests_waiting`) are summed as the blocks it holds are.
+
+vLLM's /metrics holds some 90 families; only the lines of those read here reach the parser
+(`relevant`), which keeps a refresh on the event loop short.
 """
 
 from __future__ import annotations
@@ -29,9 +44,11 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from kvguard.admission.calibration import Calibration
 from kvguard.admission.capacity import Capacities, PoolCapacity
 from kvguard.admission.outputs import Histogram, Observed, OutputLengths
 from kvguard.admission.policy import Policy
@@ -43,6 +60,22 @@ CACHE_CONFIG_INFO = "vllm:cache_config_info"
 GENERATION_TOKENS = "vllm:request_generation_tokens"  # histogram: output tokens per request
 PARAMS_MAX_TOKENS = "vllm:request_params_max_tokens"  # histogram: the max_tokens they ran with
 KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"  # gauge: the share of blocks in use, 0 to 1
+NUM_PREEMPTIONS = "vllm:num_preemptions"  # counter (vllm:num_preemptions_total)
+REQUESTS_WAITING = "vllm:num_requests_waiting"  # gauge: requests in vLLM's queue
+INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"  # histogram: seconds between tokens
+TIME_PER_OUTPUT_TOKEN = "vllm:time_per_output_token_seconds"  # its name on an older vLLM
+# The families read, with the sample names each needs (name + suffix): only these lines of a
+# /metrics text are parsed.
+READ_FAMILIES: dict[str, tuple[str, ...]] = {
+    CACHE_CONFIG_INFO: ("",),
+    GENERATION_TOKENS: ("_bucket", "_count", "_sum"),
+    PARAMS_MAX_TOKENS: ("_bucket", "_count", "_sum"),
+    KV_CACHE_USAGE: ("",),
+    NUM_PREEMPTIONS: ("_total", ""),
+    REQUESTS_WAITING: ("",),
+    INTER_TOKEN_LATENCY: ("_count", "_sum"),
+    TIME_PER_OUTPUT_TOKEN: ("_count", "_sum"),
+}
 # An endpoint's last good reading is used for this many refresh intervals after it was read.
 STALE_AFTER_REFRESHES = 3
 # A refresh never waits longer than this for one endpoint.
@@ -64,6 +97,22 @@ class EndpointCache:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenIntervals:
+    """The intervals between a sequence's consecutive tokens that vLLM observed: how many, and
+    their seconds summed (its inter-token latency histogram's _count and _sum)."""
+
+    count: float
+    seconds: float
+
+    def since(self, earlier: TokenIntervals | None) -> TokenIntervals:
+        """The intervals observed after `earlier` was read; all of them when either counter
+        went down (the server restarted)."""
+        if earlier is None or self.count < earlier.count or self.seconds < earlier.seconds:
+            return self
+        return TokenIntervals(self.count - earlier.count, self.seconds - earlier.seconds)
+
+
+@dataclass(frozen=True, slots=True)
 class EndpointReading:
     """One endpoint's /metrics as discovery reads it: the cache, and what its requests produced
     since the server started (None where this vLLM does not export it)."""
@@ -72,6 +121,9 @@ class EndpointReading:
     generated: Histogram | None = None
     requested: Histogram | None = None
     used_blocks: int | None = None  # blocks vLLM holds now, from its KV-cache usage
+    preemptions: int | None = None  # preemptions since the server started
+    waiting: int | None = None  # requests waiting in its queue now
+    intervals: TokenIntervals | None = None  # between consecutive tokens, since it started
 
 
 def parse_cache_config(text: str) -> EndpointCache:
@@ -85,30 +137,82 @@ def parse_cache_config(text: str) -> EndpointCache:
 
 
 def parse_metrics(text: str) -> EndpointReading:
-    """The cache configuration, the output-length histograms and the KV-cache usage in one
-    pass over a vLLM /metrics text; DiscoveryError as parse_cache_config."""
+    """Everything discovery reads in a vLLM /metrics text (the lines of READ_FAMILIES only);
+    DiscoveryError as parse_cache_config."""
+    return reading(text_string_to_metric_families(relevant(text)))
+
+
+_PREFIXES = tuple(
+    start
+    for family, suffixes in READ_FAMILIES.items()
+    for name in {family, *(family + suffix for suffix in suffixes)}
+    for start in (f"{name}{{", f"{name} ", f"# HELP {name} ", f"# TYPE {name} ")
+)
+
+
+def relevant(text: str) -> str:
+    """The lines of a Prometheus text that belong to READ_FAMILIES: their # HELP and # TYPE
+    lines and their samples. Lines of other families are not parsed, so they cannot make a
+    text fail to parse either.
+
+    Each family's name is searched for in the whole text (a scan in C), and only the lines it
+    occurs in are looked at: the cost follows those few lines, not the text's thousands."""
+    starts: set[int] = set()
+    for family in READ_FAMILIES:
+        at = text.find(family)
+        while at >= 0:
+            start = text.rfind("\n", 0, at) + 1
+            if start not in starts and text.startswith(_PREFIXES, start):
+                starts.add(start)
+            at = text.find(family, at + len(family))
+    lines = []
+    for start in sorted(starts):  # in the text's order: a family's samples follow its # TYPE
+        end = text.find("\n", start)
+        lines.append(text[start:] + "\n" if end < 0 else text[start : end + 1])
+    return "".join(lines)
+
+
+def reading(families: Iterable[Metric]) -> EndpointReading:
+    """The cache configuration, the output-length histograms, the KV-cache usage and the
+    engine's counters in one pass over parsed metric families."""
     samples: list[Sample] = []
     histograms: dict[str, list[Sample]] = {GENERATION_TOKENS: [], PARAMS_MAX_TOKENS: []}
+    latencies: dict[str, list[Sample]] = {INTER_TOKEN_LATENCY: [], TIME_PER_OUTPUT_TOKEN: []}
     usage: list[float] = []
+    preemptions: list[float] = []
+    waiting: list[float] = []
+    counter = (NUM_PREEMPTIONS + "_total", NUM_PREEMPTIONS)
     try:
-        for family in text_string_to_metric_families(text):
+        for family in families:
             if family.name == CACHE_CONFIG_INFO:
                 samples.extend(s for s in family.samples if s.name == CACHE_CONFIG_INFO)
             elif family.name in histograms:
                 histograms[family.name].extend(family.samples)
             elif family.name == KV_CACHE_USAGE:
                 usage.extend(s.value for s in family.samples)
+            elif family.name == NUM_PREEMPTIONS:
+                preemptions.extend(s.value for s in family.samples if s.name in counter)
+            elif family.name == REQUESTS_WAITING:
+                waiting.extend(s.value for s in family.samples if s.name == REQUESTS_WAITING)
+            elif family.name in latencies:
+                latencies[family.name].extend(family.samples)
     except ValueError as exc:
         raise DiscoveryError(f"the /metrics text does not parse: {exc}") from None
     cache = _cache(samples)
     used = None
     if usage:  # engines of one server have equal caches: their mean share of the whole
         used = round(min(max(sum(usage) / len(usage), 0.0), 1.0) * cache.usable_blocks)
+    intervals = _intervals(latencies[INTER_TOKEN_LATENCY], INTER_TOKEN_LATENCY)
+    if intervals is None:
+        intervals = _intervals(latencies[TIME_PER_OUTPUT_TOKEN], TIME_PER_OUTPUT_TOKEN)
     return EndpointReading(
         cache,
         histogram(histograms[GENERATION_TOKENS], GENERATION_TOKENS),
         histogram(histograms[PARAMS_MAX_TOKENS], PARAMS_MAX_TOKENS),
         used,
+        round(sum(preemptions)) if preemptions else None,
+        round(sum(waiting)) if waiting else None,
+        intervals,
     )
 
 
@@ -132,6 +236,19 @@ def histogram(samples: Iterable[Sample], name: str) -> Histogram | None:
         return None
     bounds = tuple(sorted(b for b in buckets if not math.isinf(b)))
     return Histogram(bounds, tuple(buckets[b] for b in bounds), count, total)
+
+
+def _intervals(samples: Iterable[Sample], name: str) -> TokenIntervals | None:
+    """The _count and _sum of histogram `name`, summed over engines and models; None when it
+    has no _count."""
+    count = seconds = 0.0
+    seen = False
+    for sample in samples:
+        if sample.name == name + "_count":
+            count, seen = count + sample.value, True
+        elif sample.name == name + "_sum":
+            seconds += sample.value
+    return TokenIntervals(count, seconds) if seen else None
 
 
 def _cache(samples: list[Sample]) -> EndpointCache:
@@ -188,7 +305,19 @@ class _Endpoint:
     # a recovered server's counts are not learnt twice.
     generated: Histogram | None = None
     requested: Histogram | None = None
+    preemptions: int | None = None
+    intervals: TokenIntervals | None = None
     error: str | None = None  # the last failure, while failing
+
+
+@dataclass(frozen=True, slots=True)
+class _Learnt:
+    """What one endpoint's reading adds to the last: the deltas of its counters."""
+
+    generated: Histogram | None
+    requested: Histogram | None
+    preemptions: int | None  # None where it exports no preemption counter
+    intervals: TokenIntervals | None
 
 
 @dataclass
@@ -201,6 +330,9 @@ class _Pool:
     published: bool = False
     error: str | None = None  # why the capacity is unknown, while it is
     used: int | None = None  # blocks vLLM reports in use, summed over the endpoints
+    waiting: int | None = None  # requests waiting in vLLM's queues, summed likewise
+    preemptions: int | None = None  # counted since kvguard started, once an endpoint reports
+    decode_rate: float | None = None  # tokens per second per sequence, as last observed
 
 
 class Discovery:
@@ -210,6 +342,9 @@ class Discovery:
     takes effect within a second. Static capacities are set by whoever publishes the policy
     (Service.publish); a reading that was in flight across a reload is published only if the
     pool still discovers from the same endpoints, so it never overwrites them.
+
+    With a `calibration`, the output lengths learnt go to its `outputs` and each round's
+    preemptions to its `overcommit`; with `outputs` alone, the output lengths only.
     """
 
     def __init__(
@@ -217,12 +352,16 @@ class Discovery:
         policy: Callable[[], Policy],
         capacities: Capacities,
         *,
+        calibration: Calibration | None = None,
         outputs: OutputLengths | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if calibration is not None and outputs not in (None, calibration.outputs):
+            raise ValueError("a calibration brings its own outputs: pass one or the other")
         self._policy = policy
         self._capacities = capacities
-        self._outputs = outputs
+        self._calibration = calibration
+        self._outputs = calibration.outputs if calibration is not None else outputs
         self._clock = clock
         self._pools: dict[str, _Pool] = {}
 
@@ -247,6 +386,29 @@ class Discovery:
         and waiting requests), where every endpoint in use reports its KV-cache usage."""
         return {name: s.used for name, s in self._pools.items() if s.used is not None}
 
+    def waiting(self) -> dict[str, int]:
+        """Discovered pools -> the requests waiting in their vLLM servers' queues, where every
+        endpoint in use reports them."""
+        return {name: s.waiting for name, s in self._pools.items() if s.waiting is not None}
+
+    def preemptions_total(self) -> dict[str, int]:
+        """Discovered pools -> the preemptions their vLLM servers counted since kvguard started
+        reading them (each endpoint's first reading is its baseline)."""
+        return {name: s.preemptions for name, s in self._pools.items() if s.preemptions is not None}
+
+    def decode_rate(self, pool: str) -> float | None:
+        """The pool's decode rate in tokens per second per sequence, as last observed; None
+        until its servers observed an interval between two tokens."""
+        state = self._pools.get(pool)
+        return state.decode_rate if state is not None else None
+
+    def trust(self) -> dict[str, float]:
+        """Discovered pools -> how far their calibrated reservations trust the estimate (1: the
+        estimate; 0: the worst case); empty without a calibration."""
+        if self._calibration is None:
+            return {}
+        return {name: self._calibration.overcommit.trust(name) for name in self._pools}
+
     def _discovered(self) -> dict[str, tuple[list[str], float]]:
         """Pool name -> (endpoints, refresh_seconds) for the pools with endpoints now."""
         return {
@@ -263,6 +425,9 @@ class Discovery:
             del self._pools[gone]  # the policy dropped it or made it static
         if self._outputs is not None:
             self._outputs.retain(set(wanted))
+        if self._calibration is not None:
+            self._calibration.overcommit.retain(set(wanted))
+            self._calibration.engine.retain(set(wanted))
         now = self._clock()
         rounds = []
         for name, (endpoints, refresh_seconds) in wanted.items():
@@ -295,7 +460,7 @@ class Discovery:
             log.info("pool %s: a capacity reading from before a reload is dropped", name)
             return
         now = self._clock()
-        learnt: list[tuple[Histogram | None, Histogram | None]] = []
+        learnt: list[_Learnt] = []
         for url, outcome in zip(urls, results, strict=True):
             result = _why(outcome) if isinstance(outcome, BaseException) else outcome
             endpoint = state.endpoints.setdefault(url, _Endpoint())
@@ -322,16 +487,54 @@ class Discovery:
                 endpoint.error = result
         self._publish(name, state, now)
         self._feed(name, now, learnt)
+        if learnt:
+            self._follow(name, state, learnt)
 
-    def _feed(
-        self, name: str, now: float, learnt: list[tuple[Histogram | None, Histogram | None]]
-    ) -> None:
+    def _feed(self, name: str, now: float, learnt: list[_Learnt]) -> None:
         """Add the deltas this round read from the pool's endpoints, summed, to the outputs."""
         if self._outputs is None:
             return
-        generated = _total(g for g, _ in learnt)
+        generated = _total(x.generated for x in learnt)
         if generated is not None:
-            self._outputs.add(name, Observed(now, generated, _total(r for _, r in learnt)))
+            self._outputs.add(name, Observed(now, generated, _total(x.requested for x in learnt)))
+
+    def _follow(self, name: str, state: _Pool, learnt: list[_Learnt]) -> None:
+        """The engine's signals of a round that read at least one endpoint: the preemptions
+        since the last round go to the loop, the intervals between tokens give the rate."""
+        counted = [x.preemptions for x in learnt if x.preemptions is not None]
+        preempted = sum(counted)
+        if counted:
+            state.preemptions = (state.preemptions or 0) + preempted
+        intervals = [x.intervals for x in learnt if x.intervals is not None]
+        count = sum(i.count for i in intervals)
+        seconds = sum(i.seconds for i in intervals)
+        if count > 0 and seconds > 0:
+            state.decode_rate = count / seconds
+        if self._calibration is None:
+            return
+        self._calibration.engine.read(name, state.used)
+        overcommit = self._calibration.overcommit
+        before = overcommit.trust(name)
+        after = overcommit.read(name, preempted)
+        if after is None:
+            return
+        if after < before:
+            log.warning(
+                "pool %s: %d preemptions since the last reading; calibrated reservations fall "
+                "back towards worst case: trust %.3g (was %.3g)",
+                name,
+                preempted,
+                after,
+                before,
+            )
+        else:
+            log.info(
+                "pool %s: no preemptions since the last reading; calibrated reservations move "
+                "back towards their estimate: trust %.3g (was %.3g)",
+                name,
+                after,
+                before,
+            )
 
     def _still_discovers(self, name: str, state: _Pool, urls: list[str]) -> bool:
         """Whether the pool, in the policy of now, still discovers from exactly `urls` (a
@@ -345,6 +548,7 @@ class Discovery:
         max_age = STALE_AFTER_REFRESHES * state.refresh_seconds
         readings = {}
         used: list[int | None] = []
+        waiting: list[int | None] = []
         for url, endpoint in state.endpoints.items():
             if endpoint.reading is not None and now - endpoint.read_at > max_age:
                 log.error(
@@ -357,6 +561,7 @@ class Discovery:
             if endpoint.reading is not None:
                 readings[url] = endpoint.reading.cache
                 used.append(endpoint.reading.used_blocks)
+                waiting.append(endpoint.reading.waiting)
         capacity: PoolCapacity | None = None
         error = None
         try:
@@ -381,8 +586,9 @@ class Discovery:
                 error,
             )
         state.capacity, state.published, state.error = capacity, True, error
-        # Blocks vLLM holds, where every endpoint in use reports them (else unknown).
-        state.used = sum(u for u in used if u is not None) if used and None not in used else None
+        # Blocks vLLM holds and requests it queues, where every endpoint in use reports them.
+        state.used = _sum_known(used)
+        state.waiting = _sum_known(waiting)
         if self._capacities.get(name) != capacity:
             self._capacities.set(name, capacity)
 
@@ -423,15 +629,33 @@ async def _fetch(session: aiohttp.ClientSession, url: str, timeout: float) -> En
         return str(exc)
 
 
-def _learn(
-    endpoint: _Endpoint, reading: EndpointReading
-) -> tuple[Histogram | None, Histogram | None]:
-    """The endpoint's histograms since its last reading (all of them at the first); remembers
-    this reading for the next."""
+def _learn(endpoint: _Endpoint, reading: EndpointReading) -> _Learnt:
+    """The endpoint's counters since its last reading, and remembers this reading for the next.
+    At the first, the histograms and intervals count all the server observed since it started,
+    the preemptions none (the baseline); after a restart (a counter went down), its new value.
+    """
     generated = reading.generated.since(endpoint.generated) if reading.generated else None
     requested = reading.requested.since(endpoint.requested) if reading.requested else None
+    intervals = reading.intervals.since(endpoint.intervals) if reading.intervals else None
+    preemptions = None
+    if reading.preemptions is not None:
+        last = endpoint.preemptions
+        if last is None:
+            preemptions = 0
+        elif reading.preemptions < last:
+            preemptions = reading.preemptions
+        else:
+            preemptions = reading.preemptions - last
     endpoint.generated, endpoint.requested = reading.generated, reading.requested
-    return generated, requested
+    endpoint.preemptions, endpoint.intervals = reading.preemptions, reading.intervals
+    return _Learnt(generated, requested, preemptions, intervals)
+
+
+def _sum_known(values: list[int | None]) -> int | None:
+    """The sum, when there is at least one value and every one is known; else None."""
+    if not values or None in values:
+        return None
+    return sum(v for v in values if v is not None)
 
 
 def _total(histograms: Iterable[Histogram | None]) -> Histogram | None:

@@ -13,6 +13,10 @@ values with the SDK's in-memory reader. Prometheus names (a contract: dashboards
     kvguard_reserved_blocks{pool}                        the ledger's shared view
     kvguard_capacity_blocks{pool}                        usable blocks (static or discovered)
     kvguard_engine_used_blocks{pool}                     blocks vLLM reports in use (discovered)
+    kvguard_engine_preemptions_total{pool}               preemptions vLLM counted (discovered)
+    kvguard_engine_waiting_requests{pool}                requests in vLLM's queue (discovered)
+    kvguard_reservation_trust{pool}                      1: calibrated reservations reserve their
+        estimate; 0: the worst case (discovered)
     kvguard_tenant_reserved_blocks{pool,tenant}          top tenants, the rest as tenant="other"
     kvguard_capacity_age_seconds{pool}                   age of the last capacity discovery
     kvguard_ledger_errors_total                          ledger calls that failed
@@ -48,6 +52,9 @@ class LedgerView:
     tenants: dict[str, dict[str, int]] = field(default_factory=dict)  # pool -> tenant -> blocks
     capacity: dict[str, int] = field(default_factory=dict)  # pool -> blocks
     used: dict[str, int] = field(default_factory=dict)  # pool -> blocks vLLM holds
+    preemptions: dict[str, int] = field(default_factory=dict)  # pool -> since kvguard started
+    waiting: dict[str, int] = field(default_factory=dict)  # pool -> requests in vLLM's queue
+    trust: dict[str, float] = field(default_factory=dict)  # pool -> 0 (worst case) to 1
     capacity_age_s: dict[str, float] = field(default_factory=dict)  # pool -> seconds
 
 
@@ -100,6 +107,24 @@ class Metrics:
             callbacks=[self._per_pool(lambda: self.view.used)],
             description="KV blocks vLLM reports in use in the pool (its kv_cache_usage_perc), "
             "to read against kvguard_reserved_blocks",
+        )
+        meter.create_observable_counter(
+            "kvguard_engine_preemptions",
+            callbacks=[self._per_pool(lambda: self.view.preemptions)],
+            description="Preemptions the pool's vLLM servers counted since kvguard started "
+            "reading them (their vllm:num_preemptions_total)",
+        )
+        meter.create_observable_gauge(
+            "kvguard_engine_waiting_requests",
+            callbacks=[self._per_pool(lambda: self.view.waiting)],
+            description="Requests waiting in the queues of the pool's vLLM servers "
+            "(their vllm:num_requests_waiting)",
+        )
+        meter.create_observable_gauge(
+            "kvguard_reservation_trust",
+            callbacks=[self._per_pool(lambda: self.view.trust)],
+            description="How far the pool's calibrated reservations trust their estimate: "
+            "1 reserves the estimate, 0 the worst case; preemptions lower it",
         )
         meter.create_observable_gauge(
             "kvguard_capacity_age",

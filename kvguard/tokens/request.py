@@ -47,6 +47,9 @@ class InferenceRequest:
     # vLLM keeps this many prompt tokens (-1: as many as fit); None: no truncation.
     truncate_prompt_tokens: int | None = None
     min_tokens: int = 0  # vLLM generates at least this many (it must not exceed max_tokens)
+    # `ignore_eos` or `use_beam_search`: it runs to its limit (or holds beams), so it reserves
+    # the whole limit whatever the reservation mode.
+    runs_to_limit: bool = False
 
 
 def guarded_kind(path: str) -> Kind | None:
@@ -184,7 +187,20 @@ def parse(kind: Kind, raw: bytes) -> InferenceRequest:
         value = 0 if kind == "completion" and _echo_only(body, key) else _positive_int(body, key)
         if value is not None:
             limits[key] = value
-    return InferenceRequest(kind, model, body, n, limits, _truncation(body), _min_tokens(body))
+    to_limit = _flag(body, "ignore_eos") or _flag(body, "use_beam_search")
+    return InferenceRequest(
+        kind, model, body, n, limits, _truncation(body), _min_tokens(body), to_limit
+    )
+
+
+def _flag(body: dict[str, Any], key: str) -> bool:
+    value = body.get(key)
+    if value is None:
+        return False
+    try:
+        return lax_bool(value, key)
+    except TokenizerError as exc:
+        raise invalid(str(exc), key) from None
 
 
 def _holds_lone_surrogate(body: dict[str, Any]) -> bool:

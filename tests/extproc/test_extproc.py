@@ -143,6 +143,7 @@ async def test_the_decision_is_dynamic_metadata_for_the_access_log(tmp_path: Pat
         "lease": sent["x-kvguard-lease"],
         "blocks": sent["x-kvguard-blocks"],
         "prompt_tokens": sent["x-kvguard-prompt-tokens"],
+        "reserved_output": sent["x-kvguard-reserved-output"],
     }
     assert sent["x-kvguard-lease"] != "forged"
     assert refusal(refused)[0] == 404 and metadata(refused) == {"tenant": "acme"}

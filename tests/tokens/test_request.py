@@ -62,3 +62,53 @@ def test_the_same_key_in_different_objects_is_not_repeated() -> None:
 def test_constants_that_are_not_json_are_still_refused() -> None:
     with pytest.raises(ValueError, match="NaN"):
         load_json('{"max_tokens": NaN}')
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"ignore_eos": True},
+        {"ignore_eos": "true"},
+        {"ignore_eos": "Yes"},
+        {"ignore_eos": 1},
+        {"use_beam_search": True},
+        {"use_beam_search": "on", "ignore_eos": False},
+    ],
+)
+def test_a_request_that_runs_to_its_limit_is_marked(extra: dict[str, object]) -> None:
+    raw = json.dumps({"model": "qwen", "prompt": "hi", **extra}).encode()
+    assert parse("completion", raw).runs_to_limit
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"ignore_eos": False},
+        {"ignore_eos": "false"},
+        {"use_beam_search": 0},
+        {"ignore_eos": None},
+    ],
+)
+def test_a_request_that_may_stop_early_is_not_marked(extra: dict[str, object]) -> None:
+    raw = json.dumps({"model": "qwen", "prompt": "hi", **extra}).encode()
+    assert not parse("completion", raw).runs_to_limit
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("ignore_eos", "maybe"),
+        ("ignore_eos", 2),
+        ("ignore_eos", {"a": 1}),
+        ("use_beam_search", [True]),
+        ("use_beam_search", 0.5),
+    ],
+)
+def test_a_flag_that_is_not_a_boolean_is_refused_naming_it(key: str, value: object) -> None:
+    raw = json.dumps({"model": "qwen", "messages": [{"role": "user", "content": "hi"}], key: value})
+    with pytest.raises(Refusal) as refused:
+        parse("chat", raw.encode())
+    assert (refused.value.code, refused.value.code.status) == (Code.INVALID_REQUEST, 400)
+    assert refused.value.param == key
+    assert key in refused.value.message
