@@ -28,6 +28,7 @@ multimodal encoder budget, and a step's cost is a linear model (StepCost), not m
 
 from __future__ import annotations
 
+import bisect
 import enum
 import math
 from collections import deque
@@ -35,6 +36,12 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from kvguard.sim.blocks import Block, BlockPool
+
+# vLLM's bucket bounds (seconds) for vllm:inter_token_latency_seconds.
+TOKEN_GAP_BOUNDS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +120,7 @@ class Sequence:
     first_token_at: float | None = None
     finished_at: float | None = None
     finish_reason: str | None = None  # "length" | "stop" | "abort"
+    last_token_at: float | None = None
     _cached: int = 0  # leading blocks already offered to the prefix cache
 
     @property
@@ -152,6 +160,11 @@ class Engine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.finished_total: dict[str, int] = {}
+        # The seconds between a sequence's consecutive tokens (a wait while preempted included,
+        # as vLLM counts them): their sum, and how many fell in each of TOKEN_GAP_BOUNDS's
+        # buckets, the last one past them all (not cumulative).
+        self.token_gap_seconds_total = 0.0
+        self.token_gaps = [0] * (len(TOKEN_GAP_BOUNDS) + 1)
         self._watermark_blocks = int(config.watermark * config.num_gpu_blocks)
 
     @property
@@ -197,6 +210,11 @@ class Engine:
             self.generation_tokens_total += 1
             if seq.first_token_at is None:
                 seq.first_token_at = end
+            if seq.last_token_at is not None:
+                gap = end - seq.last_token_at
+                self.token_gap_seconds_total += gap
+                self.token_gaps[bisect.bisect_left(TOKEN_GAP_BOUNDS, gap)] += 1
+            seq.last_token_at = end
             emitted.append(seq)
             if seq.output_tokens >= seq.target:
                 self.running.remove(seq)

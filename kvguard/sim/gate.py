@@ -8,18 +8,27 @@ the whole limit unless it says less, become blocks) and builds its claim;
 into a refusal the way `serve` does. The client sends the trace's `max_tokens` when it has one,
 and none otherwise. kvguard renews the lease of an open stream, so a lease here lasts as long as
 its request, however long it queues.
+
+In calibrated mode the gate learns as `serve` does: each `refresh_seconds` of simulated time it
+reads the engine as discovery reads vLLM's /metrics (the output lengths of the requests that
+finished, in vLLM's histogram buckets; new preemptions, for the loop; the decode rate), the
+`server.response_sample` share of requests teaches their tier and tenant what they produced,
+and the LeaseKeeper grows each lease every second as its request decodes.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvguard.admission import decide
 from kvguard.admission.admit import reserve
+from kvguard.admission.calibration import Calibration, Estimate, Growth
 from kvguard.admission.capacity import PoolCapacity
-from kvguard.admission.leases import Lease
+from kvguard.admission.leases import GROW_INTERVAL_S, Lease, LeaseKeeper
+from kvguard.admission.outputs import Histogram, Observed, OutputLengths, Sampler
 from kvguard.admission.policy import known
 from kvguard.config.schema import Config
 from kvguard.errors import Code, Refusal
@@ -27,6 +36,19 @@ from kvguard.ledger.memory import MemoryLedger
 from kvguard.sim.trace import TraceRequest
 
 _FOREVER_S = 1e15  # leases of open requests are renewed: they never expire in the replay
+
+
+def generation_bounds(max_model_len: int) -> tuple[float, ...]:
+    """vLLM's bucket bounds for vllm:request_generation_tokens: 1, 2, 5, 10, 20, 50, ... up to
+    max_model_len."""
+    bounds: list[float] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_model_len:
+                return tuple(bounds)
+            bounds.append(float(mantissa * scale))
+        scale *= 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,27 +59,65 @@ class Verdict:
     refused: str | None = None  # the refusal code, None when admitted
     lease: Lease | None = None
     would_refuse: str | None = None  # shadow mode: the code it passed with, without a lease
+    observed: bool = False  # its response is read (the sampled share): its stream is seen
 
 
 class PolicyGate:
     """Admission as kvguard decides it, for pools[0] of `config` with `capacity`."""
 
-    def __init__(self, config: Config, capacity: PoolCapacity, clock: Callable[[], float]):
+    def __init__(
+        self,
+        config: Config,
+        capacity: PoolCapacity,
+        clock: Callable[[], float],
+        *,
+        calibrated: bool = False,
+    ):
         self.tenancy = config.tenancy
         self.shadow = config.shadow
         self.pool = config.pools[0]
+        if calibrated:  # the policy's mode for the pool; a tier's own mode still applies
+            reservation = self.pool.reservation.model_copy(update={"mode": "calibrated"})
+            self.pool = self.pool.model_copy(update={"reservation": reservation})
         self.capacity = capacity
         self.ledger = MemoryLedger(clock=clock)
         self.held = 0  # blocks the open leases reserve, as the ledger counts them
+        self._clock = clock
         self._ids = itertools.count()
+        self.calibration = None
+        if calibrated:
+            outputs = OutputLengths(self.pool.reservation.window_seconds)
+            self.calibration = Calibration(outputs)
+        self._counted: dict[str, int] = {}  # lease id -> blocks the ledger counts (grown)
+        self._sampler = Sampler(config.server.response_sample)
+        self._rate: float | None = None  # decode tokens/s per sequence, as last read
+        self.keeper = LeaseKeeper(
+            self.ledger,
+            _FOREVER_S,
+            clock=clock,
+            decode_rate=lambda _pool: self._rate,
+            trust=lambda _pool: self.trust,
+        )
+        self._bounds = generation_bounds(self.pool.max_model_len)
+        self._finished: list[int] = [0] * (len(self._bounds) + 1)  # per bucket, +Inf last
+        self._finished_sum = 0
+        self._scraped: Histogram | None = None
+        self._preemptions = 0
+        self._steps = self._busy_s = 0.0
+        self._next_scrape = self.pool.capacity.refresh_seconds
+        self._next_grow = GROW_INTERVAL_S
 
     def tier_of(self, tenant: str) -> str:
         return self.tenancy.tier_of(tenant) or ""
 
-    async def admit(self, request: TraceRequest, *, reserve_output: int | None = None) -> Verdict:
-        """Decide `request`, a completion of its prompt that sends the trace's `max_tokens`
-        (none when it has none: kvguard injects the tier's default). It reserves its prompt and
-        `reserve_output` output tokens (None: the whole limit), as `decide.plan` sizes them."""
+    async def admit(
+        self, request: TraceRequest, uid: str, *, reserve_output: int | None = None
+    ) -> Verdict:
+        """Decide `request` (`uid`: its request id), a completion of its prompt that sends the
+        trace's `max_tokens` (none when it has none: kvguard injects the tier's default). It
+        reserves its prompt and `reserve_output` output tokens (an oracle's; None: the
+        calibrated estimate in calibrated mode, else the whole limit), as `decide.plan` sizes
+        them."""
         sent_limit = request.max_tokens
         unsized = sent_limit if sent_limit is not None else request.output_tokens
         try:
@@ -66,9 +126,17 @@ class PolicyGate:
             return Verdict("", unsized, refused=refusal.code.value)
         sent = {"max_tokens": sent_limit} if sent_limit is not None else {}
         counted = decide.Counted("completion", sent, [request.prompt_tokens])
+        now = self._clock()
+        estimate = None
+        if reserve_output is not None:
+            estimate = Estimate(reserve_output, "oracle")
+        elif self.calibration is not None:
+            estimate = self.calibration.estimate(
+                self.pool, identity.tier_name, identity.tier, identity.tenant, now
+            )
         try:
             plan = decide.plan(
-                counted, self.pool, identity.tenant, identity.tier, self.capacity, reserve_output
+                counted, self.pool, identity.tenant, identity.tier, self.capacity, estimate
             )
         except Refusal as refusal:
             if decide.passes_in_shadow(self.shadow, refusal.code):
@@ -77,6 +145,8 @@ class PolicyGate:
         limits = plan.limits
         try:
             claim = decide.claim(plan, f"sim-{next(self._ids)}", _FOREVER_S)
+            if self.calibration is not None and plan.reserved_from != "worst_case":
+                decide.engine_room(plan, self.calibration.engine.held(self.pool.name))
             lease = await reserve(self.ledger, claim)
         except Refusal as refusal:
             if decide.passes_in_shadow(self.shadow, refusal.code):
@@ -84,7 +154,26 @@ class PolicyGate:
             code = refusal.code.value
             return Verdict(identity.tier_name, limits.max_tokens, limits.clamped, refused=code)
         self.held += lease.blocks
-        return Verdict(identity.tier_name, limits.max_tokens, limits.clamped, lease=lease)
+        observed = False
+        if self.calibration is not None:
+            if plan.reserved_from != "worst_case":
+                self.calibration.engine.admitted(self.pool.name, lease.lease_id, plan.blocks)
+            self._counted[lease.lease_id] = lease.blocks
+            observed = self._sampler.pick(uid)
+            growth = Growth(
+                self.pool.name,
+                (request.prompt_tokens,),
+                1,
+                self.capacity.block_size,
+                limits.max_tokens,
+                plan.reserved_output,
+                now,
+                estimate,
+            )
+            self.keeper.hold(lease, growth)
+        return Verdict(
+            identity.tier_name, limits.max_tokens, limits.clamped, lease=lease, observed=observed
+        )
 
     def _shadowed(self, tier: str, request: TraceRequest, code: Code) -> Verdict:
         """Shadow mode lets a refused request pass as sent, without a lease: vLLM applies the
@@ -94,8 +183,72 @@ class PolicyGate:
         return Verdict(tier, limit, would_refuse=code.value)
 
     async def release(self, lease: Lease) -> None:
+        self.keeper.forget(lease.lease_id)  # the gate releases it, at once
         await self.ledger.release(lease)
-        self.held -= lease.blocks
+        counted = self._counted.pop(lease.lease_id, lease.blocks)
+        self.held -= counted
+        if self.calibration is not None:
+            self.calibration.engine.released(self.pool.name, lease.lease_id, counted)
+
+    def finished(self, verdict: Verdict, output_tokens: int) -> None:
+        """A request ended having produced `output_tokens`: vLLM counts it in its histogram,
+        and kvguard learns it per tier and tenant when it read the response."""
+        if self.calibration is None:
+            return
+        self._finished[bisect.bisect_left(self._bounds, output_tokens)] += 1
+        self._finished_sum += output_tokens
+        if verdict.observed and verdict.lease is not None:
+            self.calibration.observe(
+                self.pool, verdict.tier, verdict.lease.tenant, output_tokens, self._clock()
+            )
+
+    def stepped(self, seconds: float) -> None:
+        """An engine step of `seconds` ended: each running sequence decoded one token."""
+        self._steps += 1
+        self._busy_s += seconds
+
+    async def tick(
+        self,
+        now: float,
+        preemptions_total: int,
+        engine_used: int,
+        progress: Callable[[], Iterable[tuple[Verdict, int]]],
+    ) -> None:
+        """Discovery's scrape every refresh_seconds and the keeper's growth every second;
+        `progress` gives the open requests with the output tokens each has so far (what the
+        streams of the observed ones show)."""
+        if self.calibration is None:
+            return
+        if now >= self._next_scrape:
+            self._next_scrape = now + self.pool.capacity.refresh_seconds
+            self._scrape(now, preemptions_total)
+            self.calibration.engine.read(self.pool.name, engine_used)
+        if now >= self._next_grow:
+            self._next_grow = now + GROW_INTERVAL_S
+            for verdict, tokens in progress():
+                if verdict.observed and verdict.lease is not None:
+                    self.keeper.seen(verdict.lease.lease_id, tokens)
+            for lease in await self.keeper.grow_all():
+                self.held += lease.blocks - self._counted[lease.lease_id]
+                self._counted[lease.lease_id] = lease.blocks
+
+    def _scrape(self, now: float, preemptions_total: int) -> None:
+        assert self.calibration is not None
+        cumulative = tuple(float(c) for c in itertools.accumulate(self._finished[:-1]))
+        total = float(sum(self._finished))
+        histogram = Histogram(self._bounds, cumulative, total, float(self._finished_sum))
+        new = Observed(now, histogram.since(self._scraped), None)
+        self.calibration.outputs.add(self.pool.name, new)
+        self._scraped = histogram
+        self.calibration.overcommit.read(self.pool.name, preemptions_total - self._preemptions)
+        self._preemptions = preemptions_total
+        if self._busy_s > 0:
+            self._rate = self._steps / self._busy_s
+        self._steps = self._busy_s = 0.0
+
+    @property
+    def trust(self) -> float:
+        return self.calibration.overcommit.trust(self.pool.name) if self.calibration else 1.0
 
     async def reserved(self) -> int:
         return (await self.ledger.usage(self.pool.name)).reserved

@@ -3,14 +3,17 @@
 Names and labels follow vLLM 0.32's /metrics (`vllm:cache_config_info` carries the cache size
 in its labels; `vllm:kv_cache_usage_perc` is a fraction, 1 meaning full). The per-tenant
 preemption counter is the simulator's own (`kvguard_sim_` prefix): vLLM has no tenants.
+`vllm:inter_token_latency_seconds` observes the modelled seconds between a sequence's
+consecutive tokens, with vLLM's bucket bounds.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kvguard.sim.engine import Engine
+from kvguard.sim.engine import TOKEN_GAP_BOUNDS, Engine
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +97,25 @@ def render(engine: Engine, model: str, tenant_preemptions: Mapping[str, int]) ->
             ("vllm:request_success_total", _labels(**base, finished_reason=reason), count)
             for reason, count in sorted(engine.finished_total.items())
             if reason != "abort"
+        ],
+    )
+    *cumulative, gaps = itertools.accumulate(engine.token_gaps)  # le=bound, then +Inf
+    family(
+        "vllm:inter_token_latency_seconds",
+        "histogram",
+        "Histogram of inter-token latency in seconds.",
+        [
+            *(
+                ("vllm:inter_token_latency_seconds_bucket", _labels(**base, le=repr(bound)), n)
+                for bound, n in zip(TOKEN_GAP_BOUNDS, cumulative, strict=True)
+            ),
+            ("vllm:inter_token_latency_seconds_bucket", _labels(**base, le="+Inf"), gaps),
+            ("vllm:inter_token_latency_seconds_count", _labels(**base), gaps),
+            (
+                "vllm:inter_token_latency_seconds_sum",
+                _labels(**base),
+                engine.token_gap_seconds_total,
+            ),
         ],
     )
     family(

@@ -4,6 +4,9 @@
   client sent none (max_model_len less the prompt), and allocates KV blocks as tokens come.
 - `worst_case`: kvguard as `serve` runs it. Each request reserves its prompt plus its whole
   clamped output limit, the tier default when the client sent none.
+- `calibrated`: kvguard with `pools[].reservation.mode: calibrated`. Each request reserves the
+  learnt quantile of what its tier (or tenant) produces, worst case until enough samples exist;
+  leases grow as requests decode, and preemptions push reservations back towards the worst case.
 - `oracle`: kvguard's gate reserving each request's true output, min(real, limit): the upper
   bound of any estimate of output lengths.
 
@@ -24,8 +27,10 @@ class Policy:
     name: str
     summary: str
     gated: bool  # decided by kvguard's gate; False: straight to the engine
-    # Output tokens a request reserves; None reserves the whole limit.
+    # Output tokens a request reserves; None reserves the whole limit, or the calibrated
+    # estimate when `calibrated`.
     reserve: Callable[[TraceRequest], int | None]
+    calibrated: bool = False
 
 
 def _whole_limit(_request: TraceRequest) -> int | None:
@@ -41,6 +46,13 @@ POLICIES: dict[str, Policy] = {
     for policy in (
         Policy("vllm", "vLLM alone, no admission", gated=False, reserve=_whole_limit),
         Policy("worst_case", "kvguard: prompt + the whole clamped limit", True, _whole_limit),
+        Policy(
+            "calibrated",
+            "kvguard: prompt + the learnt quantile, growing, backing off on preemptions",
+            True,
+            _whole_limit,
+            calibrated=True,
+        ),
         Policy("oracle", "kvguard reserving each request's true output", True, _true_output),
     )
 }

@@ -77,6 +77,7 @@ class Run:
     timeline: list[Snapshot] = field(default_factory=list)
     decisions: list[tuple[float, bool]] = field(default_factory=list)  # (time, admitted)
     reserved: list[tuple[float, int]] = field(default_factory=list)  # ledger blocks (guarded)
+    trust: list[tuple[float, float]] = field(default_factory=list)  # the loop's (calibrated)
     end_s: float = 0.0
     preemptions: int = 0
     kv: KvUse = field(default_factory=KvUse)
@@ -113,7 +114,7 @@ async def replay(
     horizon = requests[-1].arrival_s if requests else 0.0
     sample_every = max(horizon, 1.0) / MAX_SAMPLES * 2
     next_sample = 0.0
-    open_leases: dict[str, Verdict] = {}
+    open_leases: dict[str, tuple[Verdict, Sequence]] = {}
     # (time, tie-breaker, request index, attempt): first arrivals, then retries as they come.
     arrivals = [(r.arrival_s, i, i, 0) for i, r in enumerate(requests)]
     heapq.heapify(arrivals)
@@ -128,7 +129,7 @@ async def replay(
             verdict = Verdict("", limit)
         else:
             reserved = reserve(request) if reserve is not None else None
-            verdict = await gate.admit(request, reserve_output=reserved)
+            verdict = await gate.admit(request, f"sim-{index}", reserve_output=reserved)
         if verdict.refused is None and verdict.max_tokens > room:
             # vLLM itself answers 400: prompt + max_tokens above max_model_len.
             if gate is not None and verdict.lease is not None:
@@ -156,7 +157,10 @@ async def replay(
             stop_after=request.output_tokens,
         )
         engine.add(outcome.seq)
-        open_leases[outcome.seq.uid] = verdict
+        open_leases[outcome.seq.uid] = (verdict, outcome.seq)
+
+    def progress() -> list[tuple[Verdict, int]]:
+        return [(verdict, seq.output_tokens) for verdict, seq in open_leases.values()]
 
     now = 0.0
     while arrivals or not engine.idle:
@@ -179,13 +183,18 @@ async def replay(
         used = min(engine.pool.used + freed, config.usable_blocks)
         run.kv.add(result.end - result.start, used, gate.held if gate else 0)
         for seq in result.finished:
-            verdict = open_leases.pop(seq.uid)
+            verdict, _ = open_leases.pop(seq.uid)
             if gate is not None and verdict.lease is not None:
+                gate.finished(verdict, seq.output_tokens)
                 await gate.release(verdict.lease)
+        if gate is not None:
+            gate.stepped(result.end - result.start)
+            await gate.tick(now, engine.preemptions_total, engine.pool.used, progress)
         if now >= next_sample or engine.idle:
             run.timeline.append(snapshot(engine, now))
             if gate is not None:
                 run.reserved.append((now, await gate.reserved()))
+                run.trust.append((now, gate.trust))
             next_sample = now + sample_every
     run.end_s = now
     run.preemptions = engine.preemptions_total

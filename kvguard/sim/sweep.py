@@ -65,7 +65,7 @@ async def replay_policy(
     return await replay(
         requests,
         engine,
-        lambda clock: PolicyGate(config, capacity, clock),
+        lambda clock: PolicyGate(config, capacity, clock, calibrated=policy.calibrated),
         label=policy.name,
         retries=retries,
         reserve=policy.reserve,

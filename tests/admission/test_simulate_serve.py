@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -24,15 +25,17 @@ from hypothesis import strategies as st
 
 from kvguard.admission import decide
 from kvguard.admission.admit import Admission, AdmissionSettings
+from kvguard.admission.calibration import Calibration, Estimate
 from kvguard.admission.capacity import Capacities, PoolCapacity
 from kvguard.admission.estimate import blocks_needed
 from kvguard.admission.leases import Lease
+from kvguard.admission.outputs import Histogram, Observed
 from kvguard.admission.policy import Policy, PoolPolicy, identify_request
 from kvguard.admission.record import Decision
-from kvguard.config.schema import Capacity, Config, Pool, Tenancy, Tier
+from kvguard.config.schema import Capacity, Config, Pool, Reservation, Tenancy, Tier
 from kvguard.errors import Refusal
 from kvguard.ledger.memory import MemoryLedger
-from kvguard.sim.gate import PolicyGate
+from kvguard.sim.gate import PolicyGate, generation_bounds
 from kvguard.sim.trace import TraceRequest
 from kvguard.tokens.counting import PromptCounter
 from kvguard.tokens.tokenizer import PoolTokenizer
@@ -105,11 +108,16 @@ def cases(draw: st.DrawFn) -> tuple[Config, list[Ask | Release]]:
     )
     release = st.builds(Release, st.integers(0, 50))
     step = st.integers(0, 5).flatmap(lambda k: release if k == 0 else ask)  # 1 in 6 releases
-    steps = draw(st.lists(step, min_size=10, max_size=40))
+    steps = cast(list[Ask | Release], draw(st.lists(step, min_size=10, max_size=40)))
     return Config(tenancy=tenancy, pools=[pool], shadow=draw(st.booleans())), steps
 
 
-def serve(config: Config) -> tuple[Admission, Policy, MemoryLedger, GivenCount]:
+def serve(
+    config: Config,
+    *,
+    calibration: Calibration | None = None,
+    clock: Callable[[], float] = lambda: 0.0,
+) -> tuple[Admission, Policy, MemoryLedger, GivenCount]:
     pool = config.pools[0]
     assert pool.capacity.blocks is not None and pool.capacity.block_size is not None
     capacity = PoolCapacity(pool.capacity.blocks, pool.capacity.block_size)
@@ -121,17 +129,83 @@ def serve(config: Config) -> tuple[Admission, Policy, MemoryLedger, GivenCount]:
     ledger = MemoryLedger(clock=lambda: 0.0)
     counter = GivenCount()
     settings_ = AdmissionSettings(max_body_bytes=1 << 20, lease_seconds=60.0)
-    admission = Admission(ledger, cast(PromptCounter, counter), capacities, settings_)
+    admission = Admission(
+        ledger, cast(PromptCounter, counter), capacities, settings_, calibration, clock
+    )
     return admission, policy, ledger, counter
 
 
-async def both_decide(config: Config, steps: list[Ask | Release]) -> None:
+@dataclass(frozen=True)
+class Learnt:
+    """What both calibrations are fed before the steps: completions per tenant, and the
+    output lengths the pool's engines reported (None: no scrape yet)."""
+
+    completions: list[tuple[str, int]]
+    pool_outputs: list[int] | None
+
+
+@st.composite
+def calibrated_cases(draw: st.DrawFn) -> tuple[Config, list[Ask | Release], Learnt]:
+    """A case whose pool is in calibrated mode (each tier keeping it, or replacing it either
+    way), with few enough samples needed that estimates come from tenants, tiers and the pool."""
+    config, steps = draw(cases())
+    pool = config.pools[0]
+    reservation = Reservation(
+        mode="calibrated",
+        quantile=draw(st.sampled_from([0.5, 0.9, 0.95, 1.0])),
+        min_samples=draw(st.integers(1, 6)),
+        min_tokens=draw(st.integers(1, 32)),
+    )
+    modes = st.sampled_from([None, None, "calibrated", "worst_case"])
+    tiers = {
+        name: tier.model_copy(update={"reservation_mode": draw(modes)})
+        for name, tier in config.tenancy.tiers.items()
+    }
+    tenancy = config.tenancy.model_copy(update={"tiers": tiers})
+    pools = [pool.model_copy(update={"reservation": reservation})]
+    config = config.model_copy(update={"tenancy": tenancy, "pools": pools})
+    tokens = st.integers(1, 4 * (pool.capacity.block_size or 1)) | st.integers(1, 2000)
+    completions = draw(st.lists(st.tuples(st.sampled_from(TENANTS), tokens), max_size=30))
+    pool_outputs = draw(st.none() | st.lists(tokens, max_size=12))
+    return config, steps, Learnt(completions, pool_outputs)
+
+
+def learn(calibration: Calibration, pool: Pool, tenancy: Tenancy, learnt: Learnt) -> None:
+    for tenant, tokens in learnt.completions:
+        tier = tenancy.tier_of(tenant)
+        if tier is not None:
+            calibration.observe(pool, tier, tenant, tokens, 0.0)
+    if learnt.pool_outputs is not None:
+        bounds = generation_bounds(pool.max_model_len)
+        counts = [sum(1 for t in learnt.pool_outputs if t <= bound) for bound in bounds]
+        histogram = Histogram(
+            bounds,
+            tuple(float(c) for c in counts),
+            float(len(learnt.pool_outputs)),
+            float(sum(learnt.pool_outputs)),
+        )
+        calibration.outputs.add(pool.name, Observed(0.0, histogram, None))
+
+
+async def both_decide(
+    config: Config, steps: list[Ask | Release], learnt: Learnt | None = None
+) -> None:
+    """Both decide each step alike; with `learnt`, in calibrated mode, both calibrations fed it."""
     pool = config.pools[0]
     assert pool.capacity.blocks is not None and pool.capacity.block_size is not None
     gate = PolicyGate(
-        config, PoolCapacity(pool.capacity.blocks, pool.capacity.block_size), lambda: 0.0
+        config,
+        PoolCapacity(pool.capacity.blocks, pool.capacity.block_size),
+        lambda: 0.0,
+        calibrated=learnt is not None,
     )
-    admission, policy, ledger, counter = serve(config)
+    calibration = None
+    if learnt is not None:
+        assert gate.calibration is not None
+        calibration = Calibration()
+        learn(gate.calibration, gate.pool, config.tenancy, learnt)
+        learn(calibration, pool, config.tenancy, learnt)
+    admission, policy, ledger, counter = serve(config, calibration=calibration)
     held: list[tuple[Lease, Lease]] = []  # (simulate's, serve's) lease of each admitted request
     for step in steps:
         await same_usage(gate, ledger)
@@ -143,7 +217,7 @@ async def both_decide(config: Config, steps: list[Ask | Release]) -> None:
             continue
         sent = step.output_tokens if step.sends_max_tokens else None
         request = TraceRequest(0.0, step.tenant, step.prompt_tokens, step.output_tokens, sent)
-        verdict = await gate.admit(request)
+        verdict = await gate.admit(request, f"r{len(held)}")
         event(verdict.refused or "admitted")
         body: dict[str, Any] = {"model": MODEL, "prompt": "x"}
         if step.sends_max_tokens:
@@ -172,6 +246,7 @@ async def both_decide(config: Config, steps: list[Ask | Release]) -> None:
         assert verdict.clamped == (admitted.body is not None), step  # lowered or injected
         assert verdict.lease.blocks == admitted.lease.blocks == admitted.blocks, step
         assert verdict.lease.tenant == admitted.lease.tenant, step
+        event(f"reserved from {decision.reserved_from}")
         held.append((verdict.lease, admitted.lease))
     await same_usage(gate, ledger)
 
@@ -189,6 +264,15 @@ def test_simulate_and_serve_decide_the_same(case: tuple[Config, list[Ask | Relea
 
 
 @settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(case=calibrated_cases())
+def test_simulate_and_serve_decide_the_same_when_calibrated(
+    case: tuple[Config, list[Ask | Release], Learnt],
+) -> None:
+    """In calibrated mode too, fed the same samples: their estimates size requests alike."""
+    asyncio.run(both_decide(*case))
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
 @given(
     case=cases(),
     prompt=st.integers(1, 600),
@@ -198,7 +282,7 @@ def test_simulate_and_serve_decide_the_same(case: tuple[Config, list[Ask | Relea
 def test_a_smaller_reservation_changes_only_the_blocks(
     case: tuple[Config, list[Ask | Release]], prompt: int, sent: int | None, reserve: int
 ) -> None:
-    """`decide.plan` with `reserve_output` (a reservation policy's estimate) keeps the limits
+    """`decide.plan` with an estimate (a reservation policy's) keeps the limits
     `serve` applies and reserves the estimate, capped by the limit and at least 1 token."""
     config = case[0]
     pool, tier = config.pools[0], next(iter(config.tenancy.tiers.values()))
@@ -209,10 +293,10 @@ def test_a_smaller_reservation_changes_only_the_blocks(
         worst = decide.plan(counted, pool, "a", tier, capacity)
     except Refusal as refusal:
         with pytest.raises(Refusal) as caught:
-            decide.plan(counted, pool, "a", tier, capacity, reserve)
+            decide.plan(counted, pool, "a", tier, capacity, Estimate(reserve, "oracle"))
         assert caught.value.code == refusal.code
         return
-    estimated = decide.plan(counted, pool, "a", tier, capacity, reserve)
+    estimated = decide.plan(counted, pool, "a", tier, capacity, Estimate(reserve, "oracle"))
     assert estimated.limits == worst.limits and worst.reserved_output == worst.limits.max_tokens
     assert estimated.reserved_output == max(1, min(reserve, worst.limits.max_tokens))
     assert estimated.blocks == blocks_needed(

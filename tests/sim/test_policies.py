@@ -144,14 +144,15 @@ def test_a_sweep_prints_one_table_of_every_policy_at_each_scale(
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("scale  policy"))
     assert lines[header].endswith("Jain  quiet p99 (alone)")
-    rows = [line.split()[:2] for line in lines[header + 1 : header + 7]]
-    assert rows == [[f"x{s}", p] for s in (1, 4) for p in ("vllm", "worst_case", "oracle")]
-    assert lines[header + 7] == ""
-    assert lines[header + 8].startswith("x1: worst_case serves ")
-    assert lines[header + 9].startswith("x4: worst_case serves ")
+    names = ("vllm", "worst_case", "calibrated", "oracle")
+    rows = [line.split()[:2] for line in lines[header + 1 : header + 9]]
+    assert rows == [[f"x{s}", p] for s in (1, 4) for p in names]
+    assert lines[header + 9] == ""
+    assert lines[header + 10].startswith("x1: worst_case serves ")
+    assert lines[header + 11].startswith("x4: worst_case serves ")
     assert lines[header - 2].startswith("quiet tenant")  # a sweep prints no per-tenant table
     # At x1 the quiet tenant is served by every policy (at x4 a gate may refuse all of its few).
-    quiet = [line.split()[-2:] for line in lines[header + 1 : header + 4]]
+    quiet = [line.split()[-2:] for line in lines[header + 1 : header + 5]]
     assert all(p99 != "-" and alone not in ("(-)", "-") for p99, alone in quiet), quiet
 
 
@@ -177,7 +178,7 @@ def test_one_scale_prints_the_tenants_then_the_policies(
     ("args", "message"),
     [
         (["--policies", "vllm,best"], "error: unknown policy best: expected some of vllm, "
-         "worst_case, oracle"),
+         "worst_case, calibrated, oracle"),
         (["--sweep", "1,x"], "error: --sweep '1,x': expected positive numbers separated by commas"),
         (["--sweep", "0,2"], "error: --sweep '0,2': expected positive numbers separated by commas"),
         (["--ttft-slo", "0"], "error: --ttft-slo 0: expected seconds above 0"),

@@ -10,7 +10,8 @@ from typing import Any
 import aiohttp
 import pytest_asyncio
 
-from kvguard.ops.discovery import parse_cache_config
+from kvguard.ops import discovery
+from kvguard.ops.discovery import TokenIntervals, parse_cache_config
 from kvguard.sim.engine import EngineConfig, StepCost
 from kvguard.sim.server import SimServer
 from kvguard.testing.vllm import parse_metrics
@@ -111,6 +112,11 @@ async def test_metrics_use_vllm_names_and_count_preemptions(sim: SimServer) -> N
     assert values["vllm:kv_cache_usage_perc"] == 0.0
     assert values["vllm:generation_tokens_total"] == 600
     assert values["kvguard_sim_preemptions_total"] == sim.engine.preemptions_total
+    # One interval between consecutive tokens per token after each sequence's first.
+    assert values["vllm:inter_token_latency_seconds_count"] == 600 - 4
+    assert values["vllm:inter_token_latency_seconds_sum"] == sim.engine.token_gap_seconds_total
+    intervals = TokenIntervals(596, sim.engine.token_gap_seconds_total)
+    assert discovery.parse_metrics(text).intervals == intervals  # what kvguard reads
     assert 'kvguard_sim_preemptions_total{tenant="b"}' in text
 
 
