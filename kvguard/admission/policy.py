@@ -126,7 +126,9 @@ def warnings(config: Config) -> list[str]:
     pools with static capacity are judged (a discovered capacity is not known here): a tier
     whose request without a limit (one prompt token + the injected default) needs more blocks
     than the tier's quota or the pool's limit allows, so every such request is refused; and a
-    tier quota at or above every pool's limit, which then never binds.
+    tier quota at or above every pool's limit, which then never binds. A calibrated pool with
+    static capacity and `server.response_sample` 0 has nothing to learn from (no vLLM histogram
+    is read, no response either): it reserves the worst case for ever.
     """
     out = []
     tenancy = config.tenancy
@@ -170,5 +172,14 @@ def warnings(config: Config) -> list[str]:
                     f"{key}.max_blocks: {tier.max_blocks} is not below any pool's limit (at most "
                     f"{limits[widest.name]} blocks, pool {widest.name}): this quota never binds, "
                     "so one tenant of this tier may take a whole pool"
+                )
+    if config.server.response_sample == 0:
+        for i, pool in enumerate(config.pools):
+            modes = {t.reservation_mode or pool.reservation.mode for t in tenancy.tiers.values()}
+            if "calibrated" in modes and not pool.capacity.endpoints:
+                out.append(
+                    f"pools[{i}].reservation.mode: calibrated, but with server.response_sample 0 "
+                    "and a static capacity nothing is learnt (no response is read, no vLLM "
+                    "histogram scraped): every request reserves the worst case"
                 )
     return out

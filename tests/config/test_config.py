@@ -251,6 +251,24 @@ def test_a_quota_no_pool_can_reach_is_a_warning_only_where_every_capacity_is_kno
     assert _warnings(tmp_path, GOOD_POOL + discovered + tiers) == []
 
 
+def test_a_calibrated_pool_with_nothing_to_learn_from_is_a_warning(tmp_path: Path) -> None:
+    calibrated = GOOD_POOL + "    reservation: {mode: calibrated}\n"
+    tiers = _tiers("{max_tokens_cap: 512, default_max_tokens: 256, max_blocks: 2000}")
+    assert _warnings(tmp_path, calibrated + tiers) == []  # it reads 5 % of the responses
+    silent = "server: {response_sample: 0}\n"
+    assert _warnings(tmp_path, silent + calibrated + tiers) == [
+        "pools[0].reservation.mode: calibrated, but with server.response_sample 0 and a static "
+        "capacity nothing is learnt (no response is read, no vLLM histogram scraped): every "
+        "request reserves the worst case"
+    ]
+    # A tier of its own that is calibrated in a worst-case pool counts too; none: no warning.
+    pro = "{max_tokens_cap: 256, default_max_tokens: 64, max_blocks: 40, reservation_mode: %s}"
+    assert len(_warnings(tmp_path, silent + GOOD_POOL + _tiers(
+        "{max_tokens_cap: 512, default_max_tokens: 256, max_blocks: 2000}", pro % "calibrated"
+    ))) == 1  # fmt: skip
+    assert _warnings(tmp_path, silent + GOOD_POOL + tiers) == []
+
+
 def test_no_default_tier_and_no_tenants_is_a_warning(tmp_path: Path) -> None:
     assert _warnings(tmp_path, GOOD_POOL) == [
         "tenancy: no default_tier and no tenants: every request gets 401 unknown_tenant"
