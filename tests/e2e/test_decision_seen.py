@@ -58,6 +58,7 @@ async def test_the_access_log_carries_kvguards_decision(tmp_path: Path) -> None:
     assert first["lease"] == upstream.headers["x-kvguard-lease"]
     assert first["blocks"] == upstream.headers["x-kvguard-blocks"]
     assert first["prompt_tokens"] == upstream.headers["x-kvguard-prompt-tokens"]
+    assert first["reserved_output"] == upstream.headers["x-kvguard-reserved-output"] == "512"
     assert (first["status"], first["details"], first["reason"]) == (200, "via_upstream", None)
     assert (first["tenant"], first["max_tokens"]) == ("acme", "512")
     assert first["path"] == "/v1/chat/completions" and isinstance(first["duration_ms"], int)
@@ -74,8 +75,11 @@ FORGED = {
     "x-kvguard-blocks": "1",
     "x-kvguard-prompt-tokens": "1",
     "x-kvguard-would-refuse": "forged",
+    "x-kvguard-reserved-output": "1",
 }
-DECISION = ("tenant", "lease", "blocks", "prompt_tokens", "would_refuse", "max_tokens")
+DECISION = (
+    "tenant", "lease", "blocks", "prompt_tokens", "reserved_output", "would_refuse", "max_tokens"
+)  # fmt: skip
 API_KEY = "sk-acme-0123456789"
 
 
@@ -109,6 +113,7 @@ async def test_the_access_log_shows_the_tenant_kvguard_metered(
         "lease": upstream.headers["x-kvguard-lease"],
         "blocks": upstream.headers["x-kvguard-blocks"],
         "prompt_tokens": upstream.headers["x-kvguard-prompt-tokens"],
+        "reserved_output": upstream.headers["x-kvguard-reserved-output"],
         "would_refuse": None,
         "max_tokens": None,
     }
