@@ -106,9 +106,6 @@ class Service:
             config.ledger.lease_seconds,
             decode_rate=self.discovery.decode_rate,
             trust=self.calibration.overcommit.trust,
-            on_release=lambda lease: self.calibration.engine.released(
-                lease.pool, lease.lease_id, lease.blocks
-            ),
         )
         self.admission = Admission(
             self.ledger,
@@ -247,6 +244,7 @@ class Service:
                     self.metrics.record_ledger_error()
                     continue
                 reserved[name] = usage.reserved
+                self.calibration.engine.reserved(name, usage.reserved)
                 tenants[name] = usage.tenants
             view.capacity, view.reserved, view.tenants = capacity, reserved, tenants
             view.capacity_age_s = self.discovery.ages()

@@ -149,18 +149,15 @@ class Admission:
         decision.requested_max_tokens, decision.max_tokens = limits.requested, limits.max_tokens
         decision.blocks, decision.reserved_output = plan.blocks, plan.reserved_output
         decision.reserved_from = plan.reserved_from
-        claim = decide.claim(plan, uuid.uuid4().hex, self.settings.lease_seconds)
-        # A calibrated reservation fits beside what vLLM really holds, too.
-        engine = self.calibration.engine if self.calibration is not None else None
-        calibrated = engine is not None and plan.reserved_from != "worst_case"
-        if engine is not None and calibrated:
-            decide.engine_room(plan, engine.held(pool.name))
+        # A calibrated claim fits beside what vLLM holds beyond the ledger's count, too.
+        unaccounted = 0
+        if self.calibration is not None:
+            unaccounted = self.calibration.engine.unaccounted(pool.name)
+        claim = decide.claim(plan, uuid.uuid4().hex, self.settings.lease_seconds, unaccounted)
         body = None  # built before the reserve: nothing may fail between it and the answer
         if limits.fields != request.limits:
             body = json.dumps({**request.body, **limits.fields}, ensure_ascii=False).encode()
         lease = await self._reserve(claim)
-        if engine is not None and calibrated and lease is not None:
-            engine.admitted(pool.name, lease.lease_id, plan.blocks)
         metadata = {
             "blocks": str(plan.blocks),
             "prompt_tokens": str(prompt_total),

@@ -123,43 +123,36 @@ class Overcommit:
 
 
 class EngineView:
-    """Per pool, what vLLM holds by its own word: the blocks it reported in use at its last
-    reading, less those of this process's leases released since (their requests were in it),
-    plus the leases admitted since and still open (not in it yet). Calibrated admissions must
-    fit under the pool limit by this count too, so that what vLLM really holds (traffic kvguard
-    does not see, a request that outgrew its lease) bounds them. Per process."""
+    """Per pool, the blocks vLLM holds beyond what the ledger counts: its reading of blocks in
+    use less the blocks the ledger reserved then (never below 0). Traffic that does not pass
+    kvguard, or a request that outgrew its lease before growth counted it, shows here; a
+    calibrated admission must fit under the pool's limit less these. Both readings come in
+    from the caller (discovery and the ledger's view in `serve`, the engine model in the
+    simulator); per process."""
 
     def __init__(self) -> None:
-        self._held: dict[str, int] = {}  # pool -> the count
-        self._since: dict[str, dict[str, int]] = {}  # pool -> lease id -> blocks, admitted since
+        self._reserved: dict[str, int] = {}  # pool -> the ledger's blocks, as last read
+        self._unaccounted: dict[str, int] = {}
+
+    def reserved(self, pool: str, blocks: int) -> None:
+        """The ledger reserves `blocks` in `pool` now."""
+        self._reserved[pool] = blocks
 
     def read(self, pool: str, used: int | None) -> None:
-        """A reading of the blocks vLLM holds in `pool` (None: not known)."""
-        self._since[pool] = {}
+        """vLLM reports `used` blocks in use in `pool` now (None: not known)."""
         if used is None:
-            self._held.pop(pool, None)
+            self._unaccounted.pop(pool, None)
         else:
-            self._held[pool] = used
+            self._unaccounted[pool] = max(0, used - self._reserved.get(pool, 0))
 
-    def admitted(self, pool: str, lease_id: str, blocks: int) -> None:
-        if pool in self._held:
-            self._since.setdefault(pool, {})[lease_id] = blocks
-            self._held[pool] += blocks
-
-    def released(self, pool: str, lease_id: str, blocks: int) -> None:
-        """A lease of `blocks` (as the ledger counted it) was released."""
-        if pool in self._held:
-            admitted = self._since.get(pool, {}).pop(lease_id, None)
-            self._held[pool] = max(0, self._held[pool] - (admitted or blocks))
-
-    def held(self, pool: str) -> int | None:
-        """The blocks vLLM holds in `pool` by this count; None while vLLM has not said."""
-        return self._held.get(pool)
+    def unaccounted(self, pool: str) -> int:
+        return self._unaccounted.get(pool, 0)
 
     def retain(self, pools: set[str]) -> None:
-        for gone in [name for name in self._held if name not in pools]:
-            del self._held[gone]
-            self._since.pop(gone, None)
+        for gone in [name for name in self._unaccounted if name not in pools]:
+            del self._unaccounted[gone]
+        for gone in [name for name in self._reserved if name not in pools]:
+            del self._reserved[gone]
 
 
 class Calibration:

@@ -59,6 +59,7 @@ class Plan:
     pool_limit: int  # most blocks the pool may hold: capacity less the watermark
     reserved_output: int  # output tokens each sequence reserves: the limit, or less
     reserved_from: str = "worst_case"  # what sized reserved_output: worst_case or the estimate's
+    worst_blocks: int = 0  # the blocks of the whole limit, what a lease may grow to
 
 
 def capacity_known(pool: str, capacity: PoolCapacity | None) -> PoolCapacity:
@@ -101,39 +102,41 @@ def plan(
         # Never above the limit: an echo-only completion's limit is 0.
         at_least = max(1, request.min_tokens, estimate.reserve(limits.max_tokens))
         reserved = min(limits.max_tokens, at_least)
-        reserved_from = estimate.source
+        if reserved < limits.max_tokens:  # else it is the worst case, whatever sized it
+            reserved_from = estimate.source
     blocks = blocks_needed(request.prompt_tokens, reserved, request.n, capacity.block_size)
+    worst = blocks_needed(request.prompt_tokens, limits.max_tokens, request.n, capacity.block_size)
     pool_limit = capacity.limit(pool.watermark)
     return Plan(
-        pool.name, tenant, limits, blocks, tier.max_blocks, pool_limit, reserved, reserved_from
+        pool.name,
+        tenant,
+        limits,
+        blocks,
+        tier.max_blocks,
+        pool_limit,
+        reserved,
+        reserved_from,
+        worst,
     )
 
 
-def claim(plan: Plan, lease_id: str, lease_seconds: float) -> Claim:
-    """The claim to reserve for `plan`. Raises Refusal (400) when the plan needs more blocks
-    than the tenant's quota or the pool's limit: no ledger state could ever grant it."""
-    if plan.blocks > plan.quota or plan.blocks > plan.pool_limit:
+def claim(plan: Plan, lease_id: str, lease_seconds: float, unaccounted: int = 0) -> Claim:
+    """The claim to reserve for `plan`. Raises Refusal (400) when the whole limit needs more
+    blocks than the tenant's quota or the pool's limit: no ledger state could ever grant it (a
+    calibrated lease may grow to the whole limit). `unaccounted`: blocks vLLM holds beyond the
+    ledger's count, taken off the pool's limit for a calibrated plan."""
+    need = max(plan.blocks, plan.worst_blocks)
+    if need > plan.quota or need > plan.pool_limit:
         raise Refusal(
             Code.REQUEST_EXCEEDS_CAPACITY,
-            f"the request needs {plan.blocks} KV-cache blocks, more than this tenant's quota "
+            f"the request needs {need} KV-cache blocks, more than this tenant's quota "
             f"({plan.quota}) or the pool's admissible capacity ({plan.pool_limit}) allows; "
             "lower max_tokens, n or the prompt length",
         )
-    return Claim(
-        lease_id, plan.pool, plan.tenant, plan.blocks, plan.pool_limit, plan.quota, lease_seconds
-    )
-
-
-def engine_room(plan: Plan, engine_held: int | None) -> None:
-    """Raises the watermark refusal when `plan` does not fit under the pool limit beside the
-    blocks the engine holds by its own word (`engine_held`, None when unknown): a calibrated
-    reservation is bounded by what vLLM really holds, not only by what the ledger counts."""
-    if engine_held is not None and engine_held + plan.blocks > plan.pool_limit:
-        raise Refusal(
-            Code.KV_CACHE_WATERMARK_EXCEEDED,
-            f"the KV cache of pool {plan.pool!r} is full; retry later",
-            retry_after_s=RETRY_AFTER_S,
-        )
+    limit = plan.pool_limit
+    if plan.reserved_from != "worst_case":
+        limit = max(0, limit - unaccounted)
+    return Claim(lease_id, plan.pool, plan.tenant, plan.blocks, limit, plan.quota, lease_seconds)
 
 
 def refusal(outcome: Outcome, claim: Claim) -> Refusal | None:

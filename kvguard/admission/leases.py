@@ -16,8 +16,11 @@ __all__ = ["Lease", "LeaseKeeper"]
 
 log = logging.getLogger(__name__)
 
-# How often growing leases are raised to what their requests hold by now.
+# How often growing leases are raised to what their requests hold by now, and how far ahead
+# of it a lease that must grow is raised (so that it grows once every few seconds, not at
+# every tick).
 GROW_INTERVAL_S = 1.0
+GROW_AHEAD_S = 2.0
 
 
 class LeaseKeeper:
@@ -34,14 +37,14 @@ class LeaseKeeper:
         clock: Callable[[], float] = time.monotonic,
         decode_rate: Callable[[str], float | None] = lambda _pool: None,
         trust: Callable[[str], float] = lambda _pool: 1.0,
-        on_release: Callable[[Lease], None] = lambda _lease: None,
+        grow_ahead_s: float = GROW_AHEAD_S,
     ) -> None:
         self._ledger = ledger
         self._lease_seconds = lease_seconds
         self._clock = clock
         self._decode_rate = decode_rate  # tokens/s per sequence of a pool, None while unknown
         self._trust = trust  # how far a pool's reservations trust their estimate (the loop)
-        self._on_release = on_release  # told of each lease as its release starts
+        self._grow_ahead_s = grow_ahead_s
         self._open: dict[str, Lease] = {}
         self._growing: dict[str, Growth] = {}
         self._seen: dict[str, int] = {}  # output tokens seen in a growing lease's stream
@@ -67,11 +70,9 @@ class LeaseKeeper:
 
     def release(self, lease: Lease) -> None:
         """Start releasing `lease` if it is still held; never raises, never blocks."""
-        held = self._open.pop(lease.lease_id, None)
-        if held is None:
+        if self._open.pop(lease.lease_id, None) is None:
             return
         self._stop_growing(lease.lease_id)
-        self._on_release(held)  # as counted: grown, where it grew
         self._start_release(lease)
 
     def _stop_growing(self, lease_id: str) -> None:
@@ -126,17 +127,20 @@ class LeaseKeeper:
 
     async def grow_all(self) -> list[Lease]:
         """Count each growing lease's blocks as its request holds them by now (the elapsed time
-        at its pool's decode rate, or the tokens seen in its stream; its estimate reserved again
-        when the loop lost trust since), in one re-assert of the leases that grew: always
-        granted, so that the ledger tells the truth. Returns them."""
+        at its pool's decode rate, or the tokens seen in its stream, whichever is more; its
+        estimate reserved again when the loop lost trust since), and when that is more than it
+        counts, as it will hold `grow_ahead_s` later; in one re-assert of the leases that grew,
+        always granted, so that the ledger tells the truth. Returns them."""
         now = self._clock()
         grown: list[Lease] = []
         for lease_id, growth in list(self._growing.items()):
             lease = self._open[lease_id]
             rate = self._decode_rate(growth.pool) or DEFAULT_DECODE_RATE
             trust = self._trust(growth.pool)
-            blocks = growth.blocks_at(now, rate, self._seen.get(lease_id, 0), trust)
+            seen = self._seen.get(lease_id, 0)
+            blocks = growth.blocks_at(now, rate, seen, trust)
             if blocks > lease.blocks:
+                blocks = growth.blocks_at(now + self._grow_ahead_s, rate, seen, trust)
                 lease = self._open[lease_id] = dataclasses.replace(lease, blocks=blocks)
                 grown.append(lease)
             if blocks >= growth.limit_blocks:

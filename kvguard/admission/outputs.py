@@ -140,13 +140,16 @@ class OutputLengths:
         self._window_s = window_s
         self._pools: dict[str, _Pool] = {}
 
-    def add(self, pool: str, observed: Observed) -> None:
+    def add(self, pool: str, observed: Observed, window_s: float | None = None) -> None:
+        """One scrape's deltas for `pool`; `window_s` replaces the window for this pool (its
+        `reservation.window_seconds`)."""
         state = self._pools.setdefault(pool, _Pool(deque()))
+        window_s = self._window_s if window_s is None else window_s
         state.window.append(observed)
         state.generated = _sum(state.generated, observed.generated)
         if observed.requested is not None:
             state.requested = _sum(state.requested, observed.requested)
-        while state.window and observed.at - state.window[0].at > self._window_s:
+        while state.window and observed.at - state.window[0].at > window_s:
             state.window.popleft()
         state.in_window = None
 

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvguard.admission.calibration import DEFAULT_DECODE_RATE
 from kvguard.admission.capacity import PoolCapacity, pool_limit
 from kvguard.admission.estimate import blocks_needed, clamp
 from kvguard.config.schema import Config, Pool, Tenancy, Tier
@@ -128,7 +129,8 @@ def warnings(config: Config) -> list[str]:
     than the tier's quota or the pool's limit allows, so every such request is refused; and a
     tier quota at or above every pool's limit, which then never binds. A calibrated pool with
     static capacity and `server.response_sample` 0 has nothing to learn from (no vLLM histogram
-    is read, no response either): it reserves the worst case for ever.
+    is read, no response either): it reserves the worst case for ever; with responses to
+    learn from, it still lacks the loop with vLLM's preemptions and its decode rate.
     """
     out = []
     tenancy = config.tenancy
@@ -173,13 +175,21 @@ def warnings(config: Config) -> list[str]:
                     f"{limits[widest.name]} blocks, pool {widest.name}): this quota never binds, "
                     "so one tenant of this tier may take a whole pool"
                 )
-    if config.server.response_sample == 0:
-        for i, pool in enumerate(config.pools):
-            modes = {t.reservation_mode or pool.reservation.mode for t in tenancy.tiers.values()}
-            if "calibrated" in modes and not pool.capacity.endpoints:
-                out.append(
-                    f"pools[{i}].reservation.mode: calibrated, but with server.response_sample 0 "
-                    "and a static capacity nothing is learnt (no response is read, no vLLM "
-                    "histogram scraped): every request reserves the worst case"
-                )
+    for i, pool in enumerate(config.pools):
+        modes = {t.reservation_mode or pool.reservation.mode for t in tenancy.tiers.values()}
+        if "calibrated" not in modes or pool.capacity.endpoints:
+            continue
+        if config.server.response_sample == 0:
+            out.append(
+                f"pools[{i}].reservation.mode: calibrated, but with server.response_sample 0 "
+                "and a static capacity nothing is learnt (no response is read, no vLLM "
+                "histogram scraped): every request reserves the worst case"
+            )
+        else:
+            out.append(
+                f"pools[{i}].reservation.mode: calibrated with a static capacity: no vLLM "
+                "/metrics is read, so preemptions cannot move reservations back towards the "
+                f"worst case and leases grow at an assumed {DEFAULT_DECODE_RATE:g} tokens/s; "
+                "discover the capacity from the pool's endpoints"
+            )
     return out

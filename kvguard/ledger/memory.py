@@ -113,6 +113,11 @@ class MemoryLedger:
                         pool.tenants[counted.tenant] += growth
                         counted = replace(counted, blocks=lease.blocks)
                     lease = counted
+                    if now + lease_seconds - held[1] < lease_seconds / 10:
+                        # Renewed within the last tenth of its lease (a growth step): a new
+                        # expiry would only add a heap entry per step.
+                        pool.leases[lease.lease_id] = (lease, held[1])
+                        continue
                 expiry = now + lease_seconds
                 pool.leases[lease.lease_id] = (lease, expiry)
                 heapq.heappush(pool.expiries, (expiry, lease.lease_id))

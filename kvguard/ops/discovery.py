@@ -496,7 +496,10 @@ class Discovery:
             return
         generated = _total(x.generated for x in learnt)
         if generated is not None:
-            self._outputs.add(name, Observed(now, generated, _total(x.requested for x in learnt)))
+            pool = self._policy().pools.get(name)
+            window_s = pool.config.reservation.window_seconds if pool is not None else None
+            requested = _total(x.requested for x in learnt)
+            self._outputs.add(name, Observed(now, generated, requested), window_s)
 
     def _follow(self, name: str, state: _Pool, learnt: list[_Learnt]) -> None:
         """The engine's signals of a round that read at least one endpoint: the preemptions
@@ -518,7 +521,10 @@ class Discovery:
         after = overcommit.read(name, preempted)
         if after is None:
             return
-        if after < before:
+        if not self._calibrated(name):
+            # Nothing reserves by the estimate here: the trust is kept, quietly, for a reload.
+            log.debug("pool %s: reservation trust %.3g (was %.3g)", name, after, before)
+        elif after < before:
             log.warning(
                 "pool %s: %d preemptions since the last reading; calibrated reservations fall "
                 "back towards worst case: trust %.3g (was %.3g)",
@@ -535,6 +541,15 @@ class Discovery:
                 after,
                 before,
             )
+
+    def _calibrated(self, name: str) -> bool:
+        """Whether some tier reserves by the estimate in pool `name` (its mode or its own)."""
+        pool = self._policy().pools.get(name)
+        if pool is None:
+            return False
+        tiers = self._policy().tenancy.tiers.values()
+        mode = pool.config.reservation.mode
+        return any((tier.reservation_mode or mode) == "calibrated" for tier in tiers)
 
     def _still_discovers(self, name: str, state: _Pool, urls: list[str]) -> bool:
         """Whether the pool, in the policy of now, still discovers from exactly `urls` (a

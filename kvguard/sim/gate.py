@@ -144,9 +144,10 @@ class PolicyGate:
             return Verdict(identity.tier_name, unsized, refused=refusal.code.value)
         limits = plan.limits
         try:
-            claim = decide.claim(plan, f"sim-{next(self._ids)}", _FOREVER_S)
-            if self.calibration is not None and plan.reserved_from != "worst_case":
-                decide.engine_room(plan, self.calibration.engine.held(self.pool.name))
+            unaccounted = 0
+            if self.calibration is not None:
+                unaccounted = self.calibration.engine.unaccounted(self.pool.name)
+            claim = decide.claim(plan, f"sim-{next(self._ids)}", _FOREVER_S, unaccounted)
             lease = await reserve(self.ledger, claim)
         except Refusal as refusal:
             if decide.passes_in_shadow(self.shadow, refusal.code):
@@ -156,8 +157,6 @@ class PolicyGate:
         self.held += lease.blocks
         observed = False
         if self.calibration is not None:
-            if plan.reserved_from != "worst_case":
-                self.calibration.engine.admitted(self.pool.name, lease.lease_id, plan.blocks)
             self._counted[lease.lease_id] = lease.blocks
             observed = self._sampler.pick(uid)
             growth = Growth(
@@ -185,10 +184,7 @@ class PolicyGate:
     async def release(self, lease: Lease) -> None:
         self.keeper.forget(lease.lease_id)  # the gate releases it, at once
         await self.ledger.release(lease)
-        counted = self._counted.pop(lease.lease_id, lease.blocks)
-        self.held -= counted
-        if self.calibration is not None:
-            self.calibration.engine.released(self.pool.name, lease.lease_id, counted)
+        self.held -= self._counted.pop(lease.lease_id, lease.blocks)
 
     def finished(self, verdict: Verdict, output_tokens: int) -> None:
         """A request ended having produced `output_tokens`: vLLM counts it in its histogram,
@@ -222,6 +218,7 @@ class PolicyGate:
         if now >= self._next_scrape:
             self._next_scrape = now + self.pool.capacity.refresh_seconds
             self._scrape(now, preemptions_total)
+            self.calibration.engine.reserved(self.pool.name, self.held)
             self.calibration.engine.read(self.pool.name, engine_used)
         if now >= self._next_grow:
             self._next_grow = now + GROW_INTERVAL_S

@@ -9,11 +9,15 @@ and any other path with 200 "ok". Tests steer its single requests with headers:
 - `x-test-delay: 0.5`: wait that many seconds before answering;
 - `x-test-token-delay: 0.01`: seconds between streamed tokens (default: the constructor's);
 - `x-test-reset: 1`: reset the connection without answering;
-- `x-test-reset-after: 3`: stream that many tokens, then reset the connection.
+- `x-test-reset-after: 3`: stream that many tokens, then reset the connection;
+- `x-test-tokens: 37`: answer that many tokens per sequence when the limit is higher (or
+  absent), finish_reason "stop", as a model that meets its end of sequence; at most the limit
+  ("length"). A stream then gives the finish reason on its last token's event, as vLLM does,
+  so that it has one event with choices per token.
 
 Its usage follows vLLM: `prompt_tokens` is kvguard's `x-kvguard-prompt-tokens` header (0 without
 it), `completion_tokens` is the request's limit (`max_completion_tokens`, else `max_tokens`,
-else 0) for each sequence (`n` of each prompt).
+else 0), or `x-test-tokens` when that stops it first, for each sequence (`n` of each prompt).
 """
 
 from __future__ import annotations
@@ -172,6 +176,12 @@ class _Completion:
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{time.monotonic_ns()}"
         self.created = int(time.time())
         self.tokens = _limit(body)
+        self.finish = "length"
+        # x-test-tokens: the answer meets its end first; its stream's last token event ends it.
+        natural = recorded.headers.get("x-test-tokens")
+        self.natural = natural is not None
+        if natural is not None and (self.tokens == 0 or int(natural) < self.tokens):
+            self.tokens, self.finish = max(int(natural), 0), "stop"
         n = body.get("n", 1)
         self.sequences = (n if isinstance(n, int) and n > 0 else 1) * _prompt_count(body, self.chat)
         self.prompt_tokens = int(recorded.headers.get("x-kvguard-prompt-tokens", "0"))
@@ -197,7 +207,7 @@ class _Completion:
             for i in range(self.sequences)
         ]
         for choice in choices:
-            choice["finish_reason"] = "length"
+            choice["finish_reason"] = self.finish
         return self._envelope(choices, "chat.completion" if self.chat else "text_completion") | {
             "usage": self.usage()
         }
@@ -211,14 +221,17 @@ class _Completion:
             if reset_after is not None and step >= reset_after:
                 _reset(request)
                 return response
+            last = self.natural and step == self.tokens - 1
             for index in range(self.sequences):
-                await _send(response, self._chunk(index, TOKEN_TEXT, None, first=step == 0))
+                finish = self.finish if last else None
+                await _send(response, self._chunk(index, TOKEN_TEXT, finish, first=step == 0))
             await asyncio.sleep(token_delay)
         if reset_after is not None and self.tokens <= reset_after:
             _reset(request)
             return response
-        for index in range(self.sequences):
-            await _send(response, self._chunk(index, "", "length", first=self.tokens == 0))
+        if not (self.natural and self.tokens > 0):  # else the last token's event said it
+            for index in range(self.sequences):
+                await _send(response, self._chunk(index, "", self.finish, first=self.tokens == 0))
         if self.include_usage:
             usage = {"usage": self.usage()}
             await _send(response, self._envelope([], self._chunk_object()) | usage)

@@ -16,6 +16,7 @@ from kvguard.admission.calibration import (
     MAX_SAMPLES,
     RELAX_STEP,
     Calibration,
+    EngineView,
     Estimate,
     Overcommit,
     Window,
@@ -26,6 +27,7 @@ from kvguard.admission.outputs import Histogram, Observed, OutputLengths
 from kvguard.admission.policy import identify_request
 from kvguard.admission.record import Decision
 from kvguard.config.schema import Capacity, Config, Pool, Reservation, Tenancy, Tier
+from kvguard.errors import Code, Refusal
 from tests.admission.test_simulate_serve import MODEL, serve
 
 BLOCK = 16
@@ -321,6 +323,51 @@ def test_a_plan_counts_every_prompt_and_sequence_of_the_estimate() -> None:
 def test_a_plan_names_the_estimates_source(source: str) -> None:
     plan = decide.plan(counted(), pool(), "a", TIER, CAPACITY, Estimate(10, source))
     assert plan.reserved_from == source
+
+
+def test_an_estimate_that_reserves_the_whole_limit_is_the_worst_case() -> None:
+    plan = decide.plan(counted(30, {"max_tokens": 50}), pool(), "a", TIER, CAPACITY,
+                       Estimate(80, "tier"))  # fmt: skip
+    assert (plan.reserved_output, plan.reserved_from) == (50, "worst_case")
+
+
+def test_a_calibrated_request_whose_limit_can_never_fit_is_refused_at_once() -> None:
+    # 64 prompt tokens, 4 sequences of up to 512: 4 x 36 = 144 blocks at worst, above the quota
+    # of 100, though its estimate of 20 needs only 4 x 6 = 24 now; its lease could grow there.
+    tier = Tier(max_tokens_cap=512, default_max_tokens=512, max_blocks=100)
+    plan = decide.plan(counted(64, n=4), pool(), "a", tier, CAPACITY, Estimate(20, "tier"))
+    assert (plan.blocks, plan.worst_blocks) == (24, 144)
+    with pytest.raises(Refusal) as refused:
+        decide.claim(plan, "l", 60.0)
+    assert refused.value.code is Code.REQUEST_EXCEEDS_CAPACITY
+    assert "needs 144 KV-cache blocks" in refused.value.message
+
+
+def test_blocks_vllm_holds_beyond_the_ledger_are_taken_off_a_calibrated_claim() -> None:
+    estimated = decide.plan(counted(30), pool(), "a", TIER, CAPACITY, Estimate(20, "tier"))
+    worst = decide.plan(counted(30), pool(), "a", TIER, CAPACITY)
+    limit = CAPACITY.limit(pool().watermark)
+    assert decide.claim(estimated, "l", 60.0, unaccounted=100).pool_limit == limit - 100
+    assert decide.claim(estimated, "l", 60.0, unaccounted=10 * limit).pool_limit == 0
+    assert decide.claim(worst, "l", 60.0, unaccounted=100).pool_limit == limit  # by construction
+
+
+def test_the_engine_view_counts_what_vllm_holds_beyond_the_ledger() -> None:
+    view = EngineView()
+    assert view.unaccounted("p") == 0  # nothing read yet
+    view.read("p", 150)
+    assert view.unaccounted("p") == 150  # the ledger said nothing yet: all of it
+    view.reserved("p", 100)
+    view.read("p", 150)
+    assert view.unaccounted("p") == 50  # traffic kvguard does not see, or outgrown leases
+    view.read("p", 80)
+    assert view.unaccounted("p") == 0  # vLLM holds less than reserved: nothing to take off
+    view.read("p", 400)
+    view.read("p", None)
+    assert view.unaccounted("p") == 0  # vLLM no longer says
+    view.read("p", 400)
+    view.retain({"q"})
+    assert view.unaccounted("p") == 0
 
 
 def test_a_request_that_runs_to_its_limit_reserves_the_whole_limit() -> None:

@@ -65,9 +65,18 @@ async def held(
     return reservation.lease
 
 
-def keeper_on(ledger: object, clock: Clock, rate: float | None = 10.0) -> LeaseKeeper:
-    """A keeper on `ledger` (a memory ledger, or one wrapping it) at the decode rate `rate`."""
-    return LeaseKeeper(cast(Ledger, ledger), LEASE_S, clock=clock, decode_rate=lambda _: rate)
+def keeper_on(
+    ledger: object, clock: Clock, rate: float | None = 10.0, ahead_s: float = 0.0
+) -> LeaseKeeper:
+    """A keeper on `ledger` (a memory ledger, or one wrapping it) at the decode rate `rate`,
+    growing leases to what they hold `ahead_s` later (0: exactly what they hold now)."""
+    return LeaseKeeper(
+        cast(Ledger, ledger),
+        LEASE_S,
+        clock=clock,
+        decode_rate=lambda _: rate,
+        grow_ahead_s=ahead_s,
+    )
 
 
 def test_growth_counts_the_output_decoded_so_far_between_reserved_and_limit() -> None:
@@ -265,3 +274,16 @@ async def test_grow_forever_raises_growing_leases_on_its_interval() -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+
+
+async def test_a_lease_that_must_grow_is_raised_ahead_and_left_alone_meanwhile() -> None:
+    clock = Clock()
+    ledger = Recording(MemoryLedger(clock=clock))
+    keeper = keeper_on(ledger, clock, rate=10.0, ahead_s=2.0)
+    grows = growth(clock, reserved=8)
+    keeper.hold(await held(ledger.ledger, "g", grows), grows)
+    clock.t += 5.0  # 50 tokens decoded: 90 tokens need 6 blocks; 2 s ahead, 110 need 7
+    assert [(lease.lease_id, lease.blocks) for lease in await keeper.grow_all()] == [("g", 7)]
+    clock.t += 1.0  # 60 tokens: 100 need 7 blocks, as counted
+    assert await keeper.grow_all() == []
+    assert len(ledger.reasserts) == 1

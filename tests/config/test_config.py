@@ -251,10 +251,14 @@ def test_a_quota_no_pool_can_reach_is_a_warning_only_where_every_capacity_is_kno
     assert _warnings(tmp_path, GOOD_POOL + discovered + tiers) == []
 
 
-def test_a_calibrated_pool_with_nothing_to_learn_from_is_a_warning(tmp_path: Path) -> None:
+def test_a_calibrated_pool_without_discovery_is_a_warning(tmp_path: Path) -> None:
     calibrated = GOOD_POOL + "    reservation: {mode: calibrated}\n"
     tiers = _tiers("{max_tokens_cap: 512, default_max_tokens: 256, max_blocks: 2000}")
-    assert _warnings(tmp_path, calibrated + tiers) == []  # it reads 5 % of the responses
+    assert _warnings(tmp_path, calibrated + tiers) == [
+        "pools[0].reservation.mode: calibrated with a static capacity: no vLLM /metrics is "
+        "read, so preemptions cannot move reservations back towards the worst case and leases "
+        "grow at an assumed 100 tokens/s; discover the capacity from the pool's endpoints"
+    ]
     silent = "server: {response_sample: 0}\n"
     assert _warnings(tmp_path, silent + calibrated + tiers) == [
         "pools[0].reservation.mode: calibrated, but with server.response_sample 0 and a static "
@@ -267,6 +271,10 @@ def test_a_calibrated_pool_with_nothing_to_learn_from_is_a_warning(tmp_path: Pat
         "{max_tokens_cap: 512, default_max_tokens: 256, max_blocks: 2000}", pro % "calibrated"
     ))) == 1  # fmt: skip
     assert _warnings(tmp_path, silent + GOOD_POOL + tiers) == []
+    discovered = calibrated.replace(
+        "capacity: {blocks: 40000, block_size: 16}", "capacity: {endpoints: ['http://vllm:8000']}"
+    )
+    assert _warnings(tmp_path, silent + discovered + tiers) == []
 
 
 def test_no_default_tier_and_no_tenants_is_a_warning(tmp_path: Path) -> None:

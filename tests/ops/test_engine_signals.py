@@ -19,6 +19,7 @@ from kvguard.admission.capacity import Capacities
 from kvguard.admission.outputs import OutputLengths
 from kvguard.admission.policy import Policy, build
 from kvguard.config import load
+from kvguard.config.schema import Config
 from kvguard.ops.discovery import (
     INTER_TOKEN_LATENCY,
     READ_FAMILIES,
@@ -62,6 +63,14 @@ def engine(
     if waiting is None:
         text = re.sub(r"^(# [A-Z]+ )?vllm:num_requests_waiting[ {].*\n", "", text, flags=re.M)
     return text
+
+
+def calibrated_config(tmp_path: Path, endpoints: list[str]) -> Config:
+    """A discovered pool whose reservations are calibrated (the loop's changes are logged)."""
+    data = kvguard_config()
+    data["pools"][0]["capacity"] = {"endpoints": endpoints, "refresh_seconds": 10}
+    data["pools"][0]["reservation"] = {"mode": "calibrated"}
+    return load(write_config(tmp_path, data), environ={})
 
 
 def second_engine(text: str) -> str:
@@ -142,7 +151,7 @@ async def test_preemptions_halve_the_trust_and_quiet_readings_give_it_back(
     clock = Clock()
     calibration = Calibration()
     async with fake_vllms(engine(preemptions=40)) as (vllm,):
-        policy = build(discovered_config(tmp_path, [vllm.url]))
+        policy = build(calibrated_config(tmp_path, [vllm.url]))
         discovery = Discovery(lambda: policy, Capacities(), calibration=calibration, clock=clock)
         with caplog.at_level(logging.INFO, logger="kvguard.ops.discovery"):
             async with aiohttp.ClientSession() as session:
@@ -313,3 +322,19 @@ async def test_the_engine_signals_are_exported(tmp_path: Path) -> None:
     assert (waiting.attributes, waiting.value) == ({"pool": "qwen"}, 5)
     (trust,) = points(reader, "kvguard_reservation_trust")
     assert (trust.attributes, trust.value) == ({"pool": "qwen"}, BACKOFF)
+
+
+async def test_a_worst_case_pool_keeps_the_trust_without_a_word(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    calibration = Calibration()
+    async with fake_vllms(engine(preemptions=40)) as (vllm,):
+        policy = build(discovered_config(tmp_path, [vllm.url]))
+        discovery = Discovery(lambda: policy, Capacities(), calibration=calibration)
+        with caplog.at_level(logging.INFO, logger="kvguard.ops.discovery"):
+            async with aiohttp.ClientSession() as session:
+                await discovery.refresh(session)
+                vllm.text = engine(preemptions=43)
+                await discovery.refresh(session)
+    assert discovery.trust() == {"qwen": BACKOFF}  # ready should a reload make it calibrated
+    assert trust_logs(caplog) == []
