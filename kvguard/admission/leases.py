@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 # of it a lease that must grow is raised (so that it grows once every few seconds, not at
 # every tick).
 GROW_INTERVAL_S = 1.0
-GROW_AHEAD_S = 2.0
+GROW_AHEAD_S = 1.0
 
 
 class LeaseKeeper:
