@@ -29,10 +29,16 @@ from kvguard.config.schema import Pool, Tier
 MAX_SAMPLES = 2048
 # Every this many observations, windows left empty are forgotten.
 PRUNE_EVERY = 1024
-# The loop: the trust kept after a reading with new preemptions, and the trust a reading
-# without any gives back (20 quiet readings from worst case to the estimate).
+# The loop: the trust kept after a reading with new preemptions (or a KV cache as good as
+# full), and the trust each second without gives back (200 s from worst case to the estimate:
+# 0.05 a reading at discovery's default 10 s). A reading counts at most MAX_QUIET_S of quiet.
 BACKOFF = 0.5
-RELAX_STEP = 0.05
+RELAX_PER_S = 0.005
+MAX_QUIET_S = 30.0
+# vLLM preempts when a running sequence needs a block and none is free; it counts the
+# preemption only when that sequence is scheduled again, tens of seconds later under load. A
+# KV cache this full is taken as the same sign, at once.
+PRESSURE_SHARE = 0.98
 # A decode rate (tokens per second per sequence) assumed until vLLM reports one: fast, so that
 # leases grow early rather than late.
 DEFAULT_DECODE_RATE = 100.0
@@ -97,21 +103,26 @@ class Overcommit:
     """Per pool, how far reservations trust the estimate: the loop with vLLM's preemptions."""
 
     backoff: float = BACKOFF
-    relax_step: float = RELAX_STEP
+    relax_per_s: float = RELAX_PER_S
     _trust: dict[str, float] = field(default_factory=dict)
+    _read_at: dict[str, float] = field(default_factory=dict)
 
     def trust(self, pool: str) -> float:
         return self._trust.get(pool, 1.0)
 
-    def read(self, pool: str, preemptions: int) -> float | None:
-        """One reading of the engine with `preemptions` new since the last: the new trust when
-        it changed, else None."""
+    def read(
+        self, pool: str, preemptions: int, at: float, *, full: bool = False
+    ) -> float | None:  # fmt: skip
+        """One reading of the engine at `at`, with `preemptions` new since the last, and
+        whether its KV cache was as good as full: the new trust when it changed, else None."""
         before = self.trust(pool)
-        if preemptions > 0:
+        quiet_s = min(MAX_QUIET_S, max(0.0, at - self._read_at.get(pool, at)))
+        self._read_at[pool] = at
+        if preemptions > 0 or full:
             after = before * self.backoff
-            after = 0.0 if after < self.relax_step / 2 else after
+            after = 0.0 if after < self.relax_per_s * 5 else after  # below 0.025: worst case
         else:
-            after = min(1.0, before + self.relax_step)
+            after = min(1.0, before + self.relax_per_s * quiet_s)
         if after == before:
             return None
         self._trust[pool] = after
@@ -120,6 +131,7 @@ class Overcommit:
     def retain(self, pools: set[str]) -> None:
         for gone in [name for name in self._trust if name not in pools]:
             del self._trust[gone]
+            self._read_at.pop(gone, None)
 
 
 class EngineView:

@@ -48,7 +48,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from kvguard.admission.calibration import Calibration
+from kvguard.admission.calibration import PRESSURE_SHARE, Calibration
 from kvguard.admission.capacity import Capacities, PoolCapacity
 from kvguard.admission.outputs import Histogram, Observed, OutputLengths
 from kvguard.admission.policy import Policy
@@ -488,7 +488,7 @@ class Discovery:
         self._publish(name, state, now)
         self._feed(name, now, learnt)
         if learnt:
-            self._follow(name, state, learnt)
+            self._follow(name, state, learnt, now)
 
     def _feed(self, name: str, now: float, learnt: list[_Learnt]) -> None:
         """Add the deltas this round read from the pool's endpoints, summed, to the outputs."""
@@ -501,9 +501,10 @@ class Discovery:
             requested = _total(x.requested for x in learnt)
             self._outputs.add(name, Observed(now, generated, requested), window_s)
 
-    def _follow(self, name: str, state: _Pool, learnt: list[_Learnt]) -> None:
+    def _follow(self, name: str, state: _Pool, learnt: list[_Learnt], now: float) -> None:
         """The engine's signals of a round that read at least one endpoint: the preemptions
-        since the last round go to the loop, the intervals between tokens give the rate."""
+        since the last round and a KV cache as good as full go to the loop, the intervals
+        between tokens give the rate."""
         counted = [x.preemptions for x in learnt if x.preemptions is not None]
         preempted = sum(counted)
         if counted:
@@ -518,7 +519,9 @@ class Discovery:
         self._calibration.engine.read(name, state.used)
         overcommit = self._calibration.overcommit
         before = overcommit.trust(name)
-        after = overcommit.read(name, preempted)
+        capacity = state.capacity.blocks if state.capacity is not None else 0
+        full = capacity > 0 and state.used is not None and state.used >= PRESSURE_SHARE * capacity
+        after = overcommit.read(name, preempted, now, full=full)
         if after is None:
             return
         if not self._calibrated(name):
@@ -526,10 +529,11 @@ class Discovery:
             log.debug("pool %s: reservation trust %.3g (was %.3g)", name, after, before)
         elif after < before:
             log.warning(
-                "pool %s: %d preemptions since the last reading; calibrated reservations fall "
+                "pool %s: %d preemptions since the last reading%s; calibrated reservations fall "
                 "back towards worst case: trust %.3g (was %.3g)",
                 name,
                 preempted,
+                f", KV cache {state.used} of {capacity} blocks in use" if full else "",
                 after,
                 before,
             )

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from kvguard.admission import decide
 from kvguard.admission.admit import reserve
-from kvguard.admission.calibration import Calibration, Estimate, Growth
+from kvguard.admission.calibration import PRESSURE_SHARE, Calibration, Estimate, Growth
 from kvguard.admission.capacity import PoolCapacity
 from kvguard.admission.leases import GROW_INTERVAL_S, Lease, LeaseKeeper
 from kvguard.admission.outputs import Histogram, Observed, OutputLengths, Sampler
@@ -217,9 +217,7 @@ class PolicyGate:
             return
         if now >= self._next_scrape:
             self._next_scrape = now + self.pool.capacity.refresh_seconds
-            self._scrape(now, preemptions_total)
-            self.calibration.engine.reserved(self.pool.name, self.held)
-            self.calibration.engine.read(self.pool.name, engine_used)
+            self._scrape(now, preemptions_total, engine_used)
         if now >= self._next_grow:
             self._next_grow = now + GROW_INTERVAL_S
             for verdict, tokens in progress():
@@ -229,15 +227,20 @@ class PolicyGate:
                 self.held += lease.blocks - self._counted[lease.lease_id]
                 self._counted[lease.lease_id] = lease.blocks
 
-    def _scrape(self, now: float, preemptions_total: int) -> None:
+    def _scrape(self, now: float, preemptions_total: int, engine_used: int) -> None:
         assert self.calibration is not None
+        self.calibration.engine.reserved(self.pool.name, self.held)
+        self.calibration.engine.read(self.pool.name, engine_used)
         cumulative = tuple(float(c) for c in itertools.accumulate(self._finished[:-1]))
         total = float(sum(self._finished))
         histogram = Histogram(self._bounds, cumulative, total, float(self._finished_sum))
         new = Observed(now, histogram.since(self._scraped), None)
         self.calibration.outputs.add(self.pool.name, new)
         self._scraped = histogram
-        self.calibration.overcommit.read(self.pool.name, preemptions_total - self._preemptions)
+        full = engine_used >= PRESSURE_SHARE * self.capacity.blocks
+        self.calibration.overcommit.read(
+            self.pool.name, preemptions_total - self._preemptions, now, full=full
+        )
         self._preemptions = preemptions_total
         if self._busy_s > 0:
             self._rate = self._steps / self._busy_s

@@ -13,8 +13,9 @@ import pytest
 
 from kvguard.admission import decide
 from kvguard.admission.calibration import (
+    MAX_QUIET_S,
     MAX_SAMPLES,
-    RELAX_STEP,
+    RELAX_PER_S,
     Calibration,
     EngineView,
     Estimate,
@@ -165,41 +166,69 @@ def test_a_reservation_lies_between_the_estimate_and_the_limit(trust: float, tok
 # Overcommit
 
 
+class Readings:
+    """Readings of one loop, 10 s apart (discovery's default refresh)."""
+
+    def __init__(self, loop: Overcommit) -> None:
+        self.loop, self.at = loop, 0.0
+
+    def __call__(self, pool: str, preemptions: int, *, full: bool = False) -> float | None:
+        self.at += 10.0
+        return self.loop.read(pool, preemptions, self.at, full=full)
+
+
 def test_preemptions_halve_the_trust_at_once() -> None:
     loop = Overcommit()
+    read = Readings(loop)
     assert loop.trust("p") == 1.0
-    assert [loop.read("p", 3) for _ in range(5)] == [0.5, 0.25, 0.125, 0.0625, 0.03125]
-    assert loop.read("p", 1) == 0.0  # 0.015625 is below half a step: worst case
-    assert loop.read("p", 9) is None  # already there
+    assert [read("p", 3) for _ in range(5)] == [0.5, 0.25, 0.125, 0.0625, 0.03125]
+    assert read("p", 1) == 0.0  # 0.015625 is below 0.025: worst case
+    assert read("p", 9) is None  # already there
     assert loop.trust("p") == 0.0
     assert loop.trust("q") == 1.0  # per pool
 
 
-def test_quiet_readings_give_the_trust_back_a_step_at_a_time() -> None:
+def test_a_full_kv_cache_halves_the_trust_as_preemptions_do() -> None:
     loop = Overcommit()
-    assert loop.read("p", 0) is None  # full trust stays
-    loop.read("p", 1)
-    loop.read("p", 1)
+    read = Readings(loop)
+    assert read("p", 0, full=True) == 0.5
+    assert read("p", 0, full=True) == 0.25
+    assert read("p", 0) == pytest.approx(0.25 + 10 * RELAX_PER_S)
+
+
+def test_quiet_readings_give_the_trust_back_by_the_second() -> None:
+    loop = Overcommit()
+    read = Readings(loop)
+    assert read("p", 0) is None  # full trust stays
+    read("p", 1)
+    read("p", 1)
     assert loop.trust("p") == 0.25
     steps = []
-    while (after := loop.read("p", 0)) is not None:
+    while (after := read("p", 0)) is not None:
         steps.append(after)
-    assert steps[0] == pytest.approx(0.25 + RELAX_STEP)
-    assert all(b - a == pytest.approx(RELAX_STEP) for a, b in itertools.pairwise(steps))
+    assert steps[0] == pytest.approx(0.25 + 10 * RELAX_PER_S)
+    assert all(b - a == pytest.approx(10 * RELAX_PER_S) for a, b in itertools.pairwise(steps))
     assert len(steps) == 15 and steps[-1] == 1.0 == loop.trust("p")
+    # Readings closer together give back as much per second, not per reading.
+    loop.read("q", 1, 0.0)
+    assert loop.read("q", 0, 1.0) == pytest.approx(0.5 + RELAX_PER_S)
+    # A long silence counts MAX_QUIET_S at most.
+    assert loop.read("q", 0, 3600.0) == pytest.approx(0.5 + RELAX_PER_S * (1 + MAX_QUIET_S))
 
 
-def test_from_the_worst_case_twenty_quiet_readings_restore_full_trust() -> None:
+def test_from_the_worst_case_two_hundred_quiet_seconds_restore_full_trust() -> None:
     loop = Overcommit(_trust={"p": 0.0})
-    readings = [loop.read("p", 0) for _ in range(21)]
-    assert readings[19] == 1.0 and readings[20] is None
-    assert all(r is not None and r < 1.0 for r in readings[:19])
+    read = Readings(loop)
+    readings = [read("p", 0) for _ in range(21)]
+    assert readings[0] is None  # the first reading of a pool starts its clock
+    assert readings[20] == 1.0 and loop.read("p", 0, 1000.0) is None
+    assert all(r is not None and r < 1.0 for r in readings[1:20])
 
 
 def test_retain_forgets_the_pools_gone() -> None:
     loop = Overcommit()
-    loop.read("p", 1)
-    loop.read("q", 1)
+    loop.read("p", 1, 0.0)
+    loop.read("q", 1, 0.0)
     loop.retain({"q"})
     assert (loop.trust("p"), loop.trust("q")) == (1.0, 0.5)
 
@@ -284,11 +313,11 @@ def test_expired_samples_take_the_estimate_back_to_the_worst_case() -> None:
 def test_the_loops_trust_is_carried_in_the_estimate() -> None:
     calibration, calibrated = Calibration(), pool()
     fed(calibration, calibrated, "pro", "a", 100, 100, 100)
-    calibration.overcommit.read("p", 2)
+    calibration.overcommit.read("p", 2, 0.0)
     estimate = calibration.estimate(calibrated, "pro", TIER, "a", 0.0)
     assert estimate is not None and estimate.trust == 0.5
     assert estimate.reserve(500) == 300
-    calibration.overcommit.read("other", 2)
+    calibration.overcommit.read("other", 2, 0.0)
     again = calibration.estimate(calibrated, "pro", TIER, "a", 0.0)
     assert again is not None and again.trust == 0.5
 

@@ -371,19 +371,19 @@ async def test_preemptions_move_reservations_towards_the_limit_until_vllm_is_qui
     assert seen["kvguard_reservation_trust"] == 0.5
     assert seen["kvguard_engine_preemptions_total"] == 3
     received, _ = await stack.post("loop", "loop-1", chat("sim"), x_test_tokens="30")
-    # 35 + (1 - 0.5) * (900 - 35) = 467.5; or, if a quiet reading came between,
-    # 35 + (1 - 0.55) * (900 - 35) = 424.25.
+    # 35 + (1 - 0.5) * (900 - 35) = 467.5; a quiet reading between gives back 0.005 a second
+    # (0.0075 a reading of 1.5 s): 35 + (1 - 0.5075) * 865 = 461.
     after_preemptions = int(received.headers["x-kvguard-reserved-output"])
-    assert after_preemptions in (468, 425)
+    assert 461 <= after_preemptions <= 468
     assert received.json()["max_tokens"] == LIMIT
 
     async def relaxed() -> bool:
         seen.update(await stack.metrics())
-        return seen["kvguard_reservation_trust"] >= 0.6 - 1e-9
+        return seen["kvguard_reservation_trust"] >= 0.51
 
     await wait_until(relaxed, "the trust to climb back", timeout_s=3 * REFRESH_S + 3)
     assert seen["kvguard_reservation_trust"] < 1.0
     assert seen["kvguard_engine_preemptions_total"] == 3
     received, _ = await stack.post("loop", "loop-2", chat("sim"), x_test_tokens="30")
-    # At a trust of 0.6 or more: at most 35 + 0.4 * 865 = 381.
-    assert POOL_ESTIMATE < int(received.headers["x-kvguard-reserved-output"]) <= 381
+    # At a trust of 0.51 or more: at most 35 + 0.49 * 865 = 459.
+    assert POOL_ESTIMATE < int(received.headers["x-kvguard-reserved-output"]) <= 459

@@ -14,7 +14,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvguard.admission.calibration import BACKOFF, RELAX_STEP, Calibration
+from kvguard.admission.calibration import BACKOFF, RELAX_PER_S, Calibration
 from kvguard.admission.capacity import Capacities
 from kvguard.admission.outputs import OutputLengths
 from kvguard.admission.policy import Policy, build
@@ -184,9 +184,10 @@ async def test_preemptions_halve_the_trust_and_quiet_readings_give_it_back(
                     clock.now += 10
                     await discovery.refresh(session)
                     trusts.append(discovery.trust()["qwen"])
-        steps = round((1.0 - BACKOFF * BACKOFF) / RELAX_STEP)
+        step = RELAX_PER_S * 10  # readings 10 s apart
+        steps = round((1.0 - BACKOFF * BACKOFF) / step)
         assert trusts[:steps] == pytest.approx(
-            [BACKOFF * BACKOFF + RELAX_STEP * (i + 1) for i in range(steps)]
+            [BACKOFF * BACKOFF + step * (i + 1) for i in range(steps)]
         )
         assert trusts[steps - 1 :] == [1.0] * (20 - steps + 1)
         logs = trust_logs(caplog)
@@ -338,3 +339,26 @@ async def test_a_worst_case_pool_keeps_the_trust_without_a_word(
                 await discovery.refresh(session)
     assert discovery.trust() == {"qwen": BACKOFF}  # ready should a reload make it calibrated
     assert trust_logs(caplog) == []
+
+
+async def test_a_kv_cache_as_good_as_full_lowers_the_trust_before_vllm_counts_a_preemption(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    calibration = Calibration()
+    full = re.sub(r"^(vllm:kv_cache_usage_perc{[^}]*}) .*$", r"\g<1> 0.99", engine(), flags=re.M)
+    async with fake_vllms(engine()) as (vllm,):
+        policy = build(calibrated_config(tmp_path, [vllm.url]))
+        discovery = Discovery(lambda: policy, Capacities(), calibration=calibration)
+        with caplog.at_level(logging.INFO, logger="kvguard.ops.discovery"):
+            async with aiohttp.ClientSession() as session:
+                await discovery.refresh(session)
+                vllm.text = full  # 62 of 63 blocks in use, no preemption counted yet
+                await discovery.refresh(session)
+    assert discovery.trust() == {"qwen": BACKOFF}
+    assert trust_logs(caplog) == [
+        (
+            logging.WARNING,
+            "pool qwen: 0 preemptions since the last reading, KV cache 62 of 63 blocks in use; "
+            "calibrated reservations fall back towards worst case: trust 0.5 (was 1)",
+        )
+    ]
