@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from kvguard.admission.estimate import blocks_needed
@@ -42,6 +43,16 @@ PRESSURE_SHARE = 0.98
 # A decode rate (tokens per second per sequence) assumed until vLLM reports one: fast, so that
 # leases grow early rather than late.
 DEFAULT_DECODE_RATE = 100.0
+
+
+def reservation_mode(pool: Pool, tier: Tier) -> str:
+    """The mode a tier's requests reserve by in `pool`: the tier's own, else the pool's."""
+    return tier.reservation_mode or pool.reservation.mode
+
+
+def calibrated(pool: Pool, tiers: Iterable[Tier]) -> bool:
+    """Whether some of `tiers` reserves by the estimate in `pool`."""
+    return any(reservation_mode(pool, tier) == "calibrated" for tier in tiers)
 
 
 class Window:
@@ -209,7 +220,7 @@ class Calibration:
         """What a request of `tenant` reserves per sequence, before its limit caps it; None to
         reserve the whole limit (worst-case mode, or too few samples yet)."""
         settings = pool.reservation
-        if (tier.reservation_mode or settings.mode) != "calibrated":
+        if reservation_mode(pool, tier) != "calibrated":
             return None
         tokens, source = self._learnt(pool, tier_name, tenant, at)
         if tokens is None:

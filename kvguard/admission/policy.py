@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvguard.admission.calibration import DEFAULT_DECODE_RATE
+from kvguard.admission.calibration import DEFAULT_DECODE_RATE, calibrated
 from kvguard.admission.capacity import PoolCapacity, pool_limit
 from kvguard.admission.estimate import blocks_needed, clamp
 from kvguard.config.schema import Config, Pool, Tenancy, Tier
@@ -176,8 +176,7 @@ def warnings(config: Config) -> list[str]:
                     "so one tenant of this tier may take a whole pool"
                 )
     for i, pool in enumerate(config.pools):
-        modes = {t.reservation_mode or pool.reservation.mode for t in tenancy.tiers.values()}
-        if "calibrated" not in modes or pool.capacity.endpoints:
+        if not calibrated(pool, tenancy.tiers.values()) or pool.capacity.endpoints:
             continue
         if config.server.response_sample == 0:
             out.append(

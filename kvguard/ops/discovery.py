@@ -48,7 +48,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from kvguard.admission.calibration import PRESSURE_SHARE, Calibration
+from kvguard.admission.calibration import PRESSURE_SHARE, Calibration, calibrated
 from kvguard.admission.capacity import Capacities, PoolCapacity
 from kvguard.admission.outputs import Histogram, Observed, OutputLengths
 from kvguard.admission.policy import Policy
@@ -548,12 +548,9 @@ class Discovery:
 
     def _calibrated(self, name: str) -> bool:
         """Whether some tier reserves by the estimate in pool `name` (its mode or its own)."""
-        pool = self._policy().pools.get(name)
-        if pool is None:
-            return False
-        tiers = self._policy().tenancy.tiers.values()
-        mode = pool.config.reservation.mode
-        return any((tier.reservation_mode or mode) == "calibrated" for tier in tiers)
+        policy = self._policy()
+        pool = policy.pools.get(name)
+        return pool is not None and calibrated(pool.config, policy.tenancy.tiers.values())
 
     def _still_discovers(self, name: str, state: _Pool, urls: list[str]) -> bool:
         """Whether the pool, in the policy of now, still discovers from exactly `urls` (a

@@ -53,17 +53,10 @@ class RecordedRequest:
         return json.loads(self.body)
 
 
-class RecordingUpstream:
-    """An aiohttp server on 127.0.0.1; `requests` holds what arrived, in order of arrival."""
+class _Loopback:
+    """An upstream listening on 127.0.0.1: its port and base URL once started."""
 
-    def __init__(self, *, token_delay: float = 0.0) -> None:
-        self.token_delay = token_delay
-        self.requests: list[RecordedRequest] = []
-        self._in_flight = 0
-        self._peak_in_flight = 0
-        self._arrived = asyncio.Condition()
-        self._runner: web.AppRunner | None = None
-        self._port: int | None = None
+    _port: int | None = None
 
     @property
     def port(self) -> int:
@@ -75,6 +68,19 @@ class RecordingUpstream:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+
+class RecordingUpstream(_Loopback):
+    """An aiohttp server on 127.0.0.1; `requests` holds what arrived, in order of arrival."""
+
+    def __init__(self, *, token_delay: float = 0.0) -> None:
+        self.token_delay = token_delay
+        self.requests: list[RecordedRequest] = []
+        self._in_flight = 0
+        self._peak_in_flight = 0
+        self._arrived = asyncio.Condition()
+        self._runner: web.AppRunner | None = None
+        self._port: int | None = None
 
     @property
     def in_flight(self) -> int:
@@ -305,7 +311,7 @@ def _reset(request: web.Request) -> None:
         transport.abort()
 
 
-class StreamingUpstream:
+class StreamingUpstream(_Loopback):
     """A model server on 127.0.0.1 that streams as vLLM does, on raw asyncio protocols so that
     it takes little of the CPU it shares with Envoy in the benchmarks.
 
@@ -330,17 +336,6 @@ class StreamingUpstream:
         self.connections: set[_Streaming] = set()  # open now
         self._server: asyncio.AbstractServer | None = None
         self._port: int | None = None
-
-    @property
-    def port(self) -> int:
-        """The bound port (after start)."""
-        if self._port is None:
-            raise RuntimeError("upstream is not started")
-        return self._port
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     async def start(self, port: int = 0) -> None:
         """Listen on 127.0.0.1:`port` (0: any free port, see `.port`)."""
