@@ -9,14 +9,47 @@ All amounts are KV-cache blocks of the pool's block size. A lease's counted bloc
 after it was admitted (a running request's reservation raised as it decodes): `reassert` with
 more blocks than the ledger counts raises them, without any check, and never lowers them;
 `release` gives back what the ledger counts, grown or not.
+
+A refused claim that carries `Terms` and a `retry_key` may be promised a slot (docs/design.md,
+"Retry-After as a promise"): the time when its blocks are expected free, counting the promises
+made before it. Its blocks are held from when the drain is expected to have freed what is ahead
+of it until the slot's grace ends: they then count against every other claim (but not against
+the promises made before it), and the retry with the same key and tenant takes them. A tenant
+has at most PROMISE_BUDGET promises open, doubled each time a promised client comes back and
+halved each time one does not; past it, or at 0 until `max_wait_s` after that, a refusal is
+told the time, with nothing held.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
+
+# The ledger measures how fast each pool (and each tenant in it) frees blocks, decayed over
+# this many seconds.
+DRAIN_WINDOW_S = 10.0
+# Promises a tenant may have open until its clients have shown whether they come back; each
+# that comes back doubles it (up to the most), each that does not halves it.
+PROMISE_BUDGET = 4
+MAX_PROMISE_BUDGET = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Terms:
+    """How a refused claim is promised a slot. A claim that needs `over` blocks beyond its
+    quota or the pool's limit, promises before it included, is expected to fit once releases
+    have freed them: at the faster of the rate the ledger measured over DRAIN_WINDOW_S and
+    `reserved / hold_s` blocks a second (the blocks reserved now, each held `hold_s`), in
+    releases of the size measured (of the claim's size until one is), on average; a retry
+    back at its time waits for what has not freed yet, its blocks held for it meanwhile."""
+
+    hold_s: float  # mean seconds a reserved block stays reserved in the pool
+    max_wait_s: float  # no slot later than this: the client is told not to retry
+    jitter_s: float  # added to the slot's time, the time the client is told to retry at
+    grace_s: float  # how long past that time the blocks are held for the retry
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +63,9 @@ class Claim:
     pool_limit: int  # most blocks the pool may hold reserved: capacity minus the watermark
     tenant_quota: int  # most blocks this tenant may hold reserved in this pool
     lease_seconds: float
+    # The request as its retry will be recognised (its promise's key); "" makes no promise.
+    retry_key: str = ""
+    terms: Terms | None = None  # None: a refusal says nothing of when to retry
 
     def lease(self) -> Lease:
         """The lease this claim takes when admitted."""
@@ -56,6 +92,18 @@ class Reservation:
     pool_reserved: int  # blocks reserved in the pool after this step
     tenant_reserved: int  # blocks reserved by the tenant after this step
     lease: Lease | None = None
+    # Refused with Terms: seconds until the claim is expected to fit (inf when it cannot be
+    # told), the seconds until its retry (None: not within max_wait_s), and whether its blocks
+    # are held for that retry (a promise), or the time is only told.
+    wait_s: float = 0.0
+    retry_after_s: float | None = None
+    promised: bool = False
+    # Refused: seconds until a lease or a promise ends (or a promise starts holding) by itself,
+    # a moment when room may appear without a release; inf when nothing is due.
+    changes_in_s: float = math.inf
+    # Refused, back at its promise's time with its blocks not all free yet: how long they stay
+    # held for it (the caller may wait that long for them); 0 otherwise.
+    waiting_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +119,9 @@ class PoolUsage:
     reserved: int
     leases: int
     tenants: dict[str, int] = field(default_factory=dict)
+    promised: int = 0  # blocks promised to retries (not in `reserved`)
+    promises: int = 0
+    holding: int = 0  # of the promised blocks, those held already
 
 
 class LedgerUnavailable(Exception):
@@ -81,7 +132,18 @@ class Ledger(Protocol):
     async def reserve(self, claim: Claim) -> Reservation:
         """Admit `claim` (record its lease, expiring after `claim.lease_seconds` unless renewed)
         or refuse it, in one atomic step that first refuses an impossible claim and reclaims
-        expired leases. Raises LedgerUnavailable when the ledger cannot be reached."""
+        expired leases and promises. Raises LedgerUnavailable when the ledger cannot be
+        reached.
+
+        Held promised blocks count as reserved: a claim fits when the tenant's reserved and
+        held blocks plus its own stay within its quota, and the pool's within its limit. A
+        claim whose `retry_key` (and tenant) holds a promise counts only the promises made
+        before its own, and takes its promise's blocks when admitted. A refused claim with
+        `terms` is told when it is expected to fit, counting every promise before it; with a
+        `retry_key` it is promised that slot when it is within `max_wait_s` and its tenant's
+        budget of open promises allows. A claim holding a promise whose time has not
+        come keeps it; one whose time has come that does not fit yet is told how long its
+        blocks stay held for it (`waiting_s`)."""
 
     async def release(self, lease: Lease) -> None:
         """Give back the blocks the ledger counts for the lease (grown ones included).
