@@ -17,6 +17,7 @@ from kvguard.admission.calibration import Calibration
 from kvguard.admission.capacity import Capacities
 from kvguard.admission.leases import LeaseKeeper
 from kvguard.admission.outputs import OutputLengths
+from kvguard.admission.queue import AdmissionQueue
 from kvguard.admission.record import Completion
 from kvguard.config.reload import PolicyWatcher
 from kvguard.config.schema import Config
@@ -66,6 +67,14 @@ class Service:
         self.health = Health(ledger_required=config.ledger.on_unavailable == "reject")
         self._tokenizers: policies.TokenizerCache = {}
         self.capacities = Capacities()
+        # Requests that wait for blocks, in pools with a queue; woken by what frees blocks:
+        # releases (the keeper's), capacity readings and policy changes.
+        self.queue = AdmissionQueue(
+            lambda pool, tenant: self.keeper.held_blocks(pool, tenant),
+            lambda lease: self.keeper.give_back(lease),
+            on_outcome=self.metrics.record_queued,
+        )
+        self.capacities.subscribe(self.queue.notify)
         self.capacities.subscribe(lambda: self.health.set("capacity", self.capacities.any_known()))
         self.publish(policies.build(config, self._tokenizers))
         # Pools with capacity.endpoints: read from vLLM's /metrics, refreshed (see start()), which
@@ -106,7 +115,9 @@ class Service:
             config.ledger.lease_seconds,
             decode_rate=self.discovery.decode_rate,
             trust=self.calibration.overcommit.trust,
+            on_released=lambda pool: self.queue.notify(pool),
         )
+
         self.admission = Admission(
             self.ledger,
             self.counter,
@@ -117,6 +128,8 @@ class Service:
                 config.ledger.on_unavailable,
             ),
             self.calibration,
+            hold_s=self.keeper.holds.hold_s,
+            queue=self.queue,
         )
         # The share of guarded exchanges whose response is read: the configuration's, unless the
         # caller gives another.
@@ -148,6 +161,7 @@ class Service:
         for pool in policy.pools.values():
             if pool.static_capacity is not None:
                 self.capacities.set(pool.name, pool.static_capacity)
+        self.queue.notify()  # a quota or a limit may have grown
 
     def _load(self, path: Path) -> policies.Policy:
         """Read and build a changed configuration (in a worker thread)."""
@@ -233,7 +247,7 @@ class Service:
         while True:
             # Built anew each round: a pool that left the policy, a capacity no longer known and
             # a ledger that could not be read show no value rather than their last one.
-            capacity, reserved, tenants = {}, {}, {}
+            capacity, reserved, tenants, promised = {}, {}, {}, {}
             for name in list(self.policy.pools):
                 known = self.capacities.get(name)
                 if known is not None:
@@ -244,9 +258,11 @@ class Service:
                     self.metrics.record_ledger_error()
                     continue
                 reserved[name] = usage.reserved
+                promised[name] = usage.promised
                 self.calibration.engine.reserved(name, usage.reserved)
                 tenants[name] = usage.tenants
             view.capacity, view.reserved, view.tenants = capacity, reserved, tenants
+            view.promised, view.queued = promised, self.queue.lengths()
             view.capacity_age_s = self.discovery.ages()
             view.used = self.discovery.used_blocks()
             view.preemptions = self.discovery.preemptions_total()

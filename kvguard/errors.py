@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class Code(enum.StrEnum):
@@ -72,7 +72,9 @@ class Refusal(Exception):
     code: Code
     message: str
     param: str | None = None
-    retry_after_s: int | None = None
+    retry_after_s: float | None = None  # when to retry; None says nothing
+    should_retry: bool | None = None  # False: retrying soon will not help; None says nothing
+    headers: dict[str, str] = field(default_factory=dict)  # more response headers
 
     def body(self) -> bytes:
         """The OpenAI error schema."""

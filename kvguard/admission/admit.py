@@ -7,7 +7,9 @@ the injected ledger; build the answer.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import random
 import time
 import uuid
 from collections.abc import Callable
@@ -18,9 +20,12 @@ from kvguard.admission.calibration import Calibration, Growth
 from kvguard.admission.capacity import Capacities
 from kvguard.admission.decide import RETRY_AFTER_S, SHADOWABLE
 from kvguard.admission.policy import Identity, Policy
+from kvguard.admission.promises import DEFAULT_HOLD_S, retry_key, terms
+from kvguard.admission.queue import AdmissionQueue, QueueFull
 from kvguard.admission.record import Decision
+from kvguard.config.schema import Queue as QueueSettings
 from kvguard.errors import Code, Refusal
-from kvguard.ledger import Claim, Lease, Ledger, LedgerUnavailable
+from kvguard.ledger import Claim, Lease, Ledger, LedgerUnavailable, Outcome, Reservation
 from kvguard.tokens.counting import PromptCounter
 from kvguard.tokens.request import Kind, parse
 
@@ -74,6 +79,10 @@ class Admission:
         settings: AdmissionSettings,
         calibration: Calibration | None = None,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        hold_s: Callable[[str], float] = lambda _pool: DEFAULT_HOLD_S,
+        rng: random.Random | None = None,
+        queue: AdmissionQueue | None = None,
     ) -> None:
         self.ledger = ledger
         self.counter = counter
@@ -82,15 +91,25 @@ class Admission:
         # Learnt output lengths, for pools and tiers in calibrated mode; None: worst case always.
         self.calibration = calibration
         self.clock = clock
+        self.hold_s = hold_s  # seconds a reserved block of a pool stays reserved (promises)
+        self.rng = rng or random.Random()  # the jitter of promised retry times
+        self.queue = queue  # where refused requests wait, in pools with a queue
 
     async def decide(
-        self, policy: Policy, kind: Kind, identity: Identity, raw: bytes, decision: Decision
+        self,
+        policy: Policy,
+        kind: Kind,
+        identity: Identity,
+        raw: bytes,
+        decision: Decision,
+        retry_token: str = "",
     ) -> Admitted:
         """Admit (a lease is held until `ledger.release`) or raise Refusal; `decision` records
-        what was found on the way, whichever way it ends."""
+        what was found on the way, whichever way it ends. `retry_token`: what the client sent
+        back of a refusal's token, if anything."""
         decision.tenant, decision.tier = identity.tenant, identity.tier_name
         try:
-            admitted = await self._decide(policy, kind, identity, raw, decision)
+            admitted = await self._decide(policy, kind, identity, raw, decision, retry_token)
         except Refusal as refusal:
             decision.refused(refusal.code)
             if not decide.passes_in_shadow(policy.shadow, refusal.code):
@@ -107,7 +126,13 @@ class Admission:
         return admitted
 
     async def _decide(
-        self, policy: Policy, kind: Kind, identity: Identity, raw: bytes, decision: Decision
+        self,
+        policy: Policy,
+        kind: Kind,
+        identity: Identity,
+        raw: bytes,
+        decision: Decision,
+        retry_token: str,
     ) -> Admitted:
         if len(raw) > self.settings.max_body_bytes:
             raise Refusal(
@@ -153,11 +178,24 @@ class Admission:
         unaccounted = 0
         if self.calibration is not None:
             unaccounted = self.calibration.engine.unaccounted(pool.name)
-        claim = decide.claim(plan, uuid.uuid4().hex, self.settings.lease_seconds, unaccounted)
+        # Shadow mode promises nothing: its refusals pass, and a promise would hold blocks.
+        promise = None if policy.shadow else terms(pool.config, self.hold_s(pool.name), self.rng)
+        key = retry_key(identity.tenant, raw, retry_token) if promise is not None else ""
+        claim = decide.claim(
+            plan,
+            uuid.uuid4().hex,
+            self.settings.lease_seconds,
+            unaccounted,
+            retry_key=key,
+            terms=promise,
+        )
         body = None  # built before the reserve: nothing may fail between it and the answer
         if limits.fields != request.limits:
             body = json.dumps({**request.body, **limits.fields}, ensure_ascii=False).encode()
-        lease = await self._reserve(claim)
+        rate_limit_headers = policy.tenancy.rate_limit_headers
+        queue = None if policy.shadow else pool.config.queue
+        reservation = await self._reserve(claim, rate_limit_headers, queue)
+        lease = reservation.lease if reservation is not None else None
         metadata = {
             "blocks": str(plan.blocks),
             "prompt_tokens": str(prompt_total),
@@ -174,6 +212,10 @@ class Admission:
             metadata["tenant"] = identity.tenant
         if policy.tenancy.expose_limit_header:
             metadata["max_tokens"] = str(limits.max_tokens)
+        if rate_limit_headers and reservation is not None:
+            headers_out = decide.rate_limit(reservation, claim).headers()
+            metadata["ratelimit"] = headers_out["ratelimit"]
+            metadata["ratelimit_policy"] = headers_out["ratelimit-policy"]
         growth = None
         if plan.reserved_output < limits.max_tokens:
             growth = Growth(
@@ -198,22 +240,70 @@ class Admission:
             sequences=len(prompt_tokens) * request.n,
         )
 
-    async def _reserve(self, claim: Claim) -> Lease | None:
-        """The lease, or None when the ledger is unreachable and `on_unavailable` is allow."""
+    async def _reserve(
+        self, claim: Claim, rate_limit_headers: bool, queue: QueueSettings | None = None
+    ) -> Reservation | None:
+        """The admitting reservation, or None when the ledger is unreachable and
+        `on_unavailable` is allow. Raises the refusal the ledger's answer means."""
         try:
-            return await reserve(self.ledger, claim)
+            reservation = await self._reserve_or_wait(claim, queue)
         except LedgerUnavailable:
             if self.settings.on_unavailable == "allow":
                 return None
             raise decide.unavailable() from None
+        refused = decide.refusal(reservation, claim, rate_limit_headers=rate_limit_headers)
+        if refused is not None:
+            raise refused
+        return reservation
+
+    async def _reserve_or_wait(self, claim: Claim, queue: QueueSettings | None) -> Reservation:
+        """Reserve `claim`, waiting when that may still admit it: a promised retry for the
+        rest of its held blocks, and in a pool with a queue, a request refused for the quota
+        or the watermark (promised nothing meanwhile). The answer of a claim that waited in
+        vain comes from one last try: with the claim's terms after a queue's wait, told when
+        with nothing held after a promise's or a full queue."""
+        queued = queue is not None and queue.max_wait_seconds > 0 and self.queue is not None
+        bare = dataclasses.replace(claim, terms=None)
+        reservation = await self.ledger.reserve(bare if queued else claim)
+        if reservation.outcome is Outcome.ADMITTED or self.queue is None:
+            return reservation
+        last = claim
+        if reservation.waiting_s > 0:
+            waited = await self.queue.wait(
+                claim.pool,
+                claim.tenant,
+                lambda: self.ledger.reserve(bare),
+                reservation.waiting_s,
+                0,
+                promised=True,
+            )
+            last = dataclasses.replace(claim, retry_key="")
+        elif queued:
+            assert queue is not None
+            try:
+                waited = await self.queue.wait(
+                    claim.pool,
+                    claim.tenant,
+                    lambda: self.ledger.reserve(bare),
+                    queue.max_wait_seconds,
+                    queue.max_queued,
+                )
+            except QueueFull:  # a promise would go before those queued
+                waited, last = None, dataclasses.replace(claim, retry_key="")
+        else:
+            return reservation  # refused, with its promise or its time
+        if waited is not None:
+            return waited
+        return await self.ledger.reserve(last)
 
 
-async def reserve(ledger: Ledger, claim: Claim) -> Lease:
-    """Reserve `claim` in `ledger`: its lease, or the Refusal the ledger's answer means.
-    LedgerUnavailable goes to the caller, whose setting says what it means."""
+async def reserve(ledger: Ledger, claim: Claim, *, rate_limit_headers: bool = False) -> Reservation:
+    """Reserve `claim` in `ledger`: the admitting reservation (its lease set), or the Refusal
+    the ledger's answer means. LedgerUnavailable goes to the caller, whose setting says what it
+    means."""
     reservation = await ledger.reserve(claim)
-    refused = decide.refusal(reservation.outcome, claim)
+    refused = decide.refusal(reservation, claim, rate_limit_headers=rate_limit_headers)
     if refused is not None:
         raise refused
     assert reservation.lease is not None
-    return reservation.lease
+    return reservation

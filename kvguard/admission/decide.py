@@ -9,18 +9,20 @@ messages.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvguard.admission.calibration import Estimate
 from kvguard.admission.capacity import PoolCapacity
 from kvguard.admission.estimate import Limits, blocks_needed, clamp
+from kvguard.admission.promises import RETRY_TOKEN_HEADER, RateLimit
 from kvguard.config.schema import Pool, Tier
 from kvguard.errors import Code, Refusal
-from kvguard.ledger import Claim, Outcome
+from kvguard.ledger import Claim, Outcome, Reservation, Terms
 from kvguard.tokens.request import Kind
 
-# Seconds a 429 asks the client to wait. A constant: leases end when responses do, which
-# kvguard cannot foresee.
+# Seconds a refusal asks the client to wait when nothing is promised: the 503s (the capacity or
+# the ledger is unknown: there is nothing to promise from) and 429s in pools that make no
+# promises.
 RETRY_AFTER_S = 1
 
 # Refusals that shadow mode lets pass: capacity and availability, never malformed input.
@@ -120,11 +122,20 @@ def plan(
     )
 
 
-def claim(plan: Plan, lease_id: str, lease_seconds: float, unaccounted: int = 0) -> Claim:
+def claim(
+    plan: Plan,
+    lease_id: str,
+    lease_seconds: float,
+    unaccounted: int = 0,
+    *,
+    retry_key: str = "",
+    terms: Terms | None = None,
+) -> Claim:
     """The claim to reserve for `plan`. Raises Refusal (400) when the whole limit needs more
     blocks than the tenant's quota or the pool's limit: no ledger state could ever grant it (a
     calibrated lease may grow to the whole limit). `unaccounted`: blocks vLLM holds beyond the
-    ledger's count, taken off the pool's limit for a calibrated plan."""
+    ledger's count, taken off the pool's limit for a calibrated plan. With `terms` and a
+    `retry_key`, a refusal is promised a slot (kvguard.ledger)."""
     need = max(plan.blocks, plan.worst_blocks)
     if need > plan.quota or need > plan.pool_limit:
         raise Refusal(
@@ -136,25 +147,71 @@ def claim(plan: Plan, lease_id: str, lease_seconds: float, unaccounted: int = 0)
     limit = plan.pool_limit
     if plan.reserved_from != "worst_case":
         limit = max(0, limit - unaccounted)
-    return Claim(lease_id, plan.pool, plan.tenant, plan.blocks, limit, plan.quota, lease_seconds)
+    return Claim(
+        lease_id,
+        plan.pool,
+        plan.tenant,
+        plan.blocks,
+        limit,
+        plan.quota,
+        lease_seconds,
+        retry_key,
+        terms,
+    )
 
 
-def refusal(outcome: Outcome, claim: Claim) -> Refusal | None:
-    """The refusal the ledger's answer to `claim` means; None when it admitted the claim."""
-    if outcome is Outcome.TENANT_QUOTA:
-        return Refusal(
+def rate_limit(reservation: Reservation, claim: Claim) -> RateLimit:
+    """Where the claim's tenant stands after the ledger's answer: its quota, the blocks it
+    could reserve now (within its quota and the pool's limit), and for a refusal the seconds
+    until its blocks are expected free."""
+    remaining = min(
+        claim.tenant_quota - reservation.tenant_reserved,
+        claim.pool_limit - reservation.pool_reserved,
+    )
+    return RateLimit(claim.tenant_quota, remaining, reservation.wait_s)
+
+
+def refusal(
+    reservation: Reservation, claim: Claim, *, rate_limit_headers: bool = False
+) -> Refusal | None:
+    """The refusal the ledger's answer to `claim` means; None when it admitted the claim.
+
+    With terms, retry-after is when the ledger expects room: a promised slot, with the token
+    that names its retry, or a time told with nothing held; past their `max_wait_s` the
+    refusal says not to retry. Without terms, retry-after is RETRY_AFTER_S, a hint."""
+    if reservation.outcome is Outcome.TENANT_QUOTA:
+        refused = Refusal(
             Code.TENANT_BLOCK_QUOTA_EXCEEDED,
             f"tenant quota of {claim.tenant_quota} KV-cache blocks in pool {claim.pool!r} is in "
-            "use by this tenant's requests in flight; retry later",
-            retry_after_s=RETRY_AFTER_S,
+            "use by this tenant's requests in flight",
         )
-    if outcome is Outcome.POOL_WATERMARK:
-        return Refusal(
-            Code.KV_CACHE_WATERMARK_EXCEEDED,
-            f"the KV cache of pool {claim.pool!r} is full; retry later",
-            retry_after_s=RETRY_AFTER_S,
+    elif reservation.outcome is Outcome.POOL_WATERMARK:
+        refused = Refusal(
+            Code.KV_CACHE_WATERMARK_EXCEEDED, f"the KV cache of pool {claim.pool!r} is full"
         )
-    return None
+    else:
+        return None
+    headers = rate_limit(reservation, claim).headers() if rate_limit_headers else {}
+    if claim.terms is None:
+        message = f"{refused.message}; retry later"
+        return replace(refused, message=message, retry_after_s=RETRY_AFTER_S, headers=headers)
+    if reservation.retry_after_s is None:
+        message = (
+            f"{refused.message}, and no room for this request is expected within "
+            f"{claim.terms.max_wait_s:g} s: do not retry soon"
+        )
+        return replace(refused, message=message, should_retry=False, headers=headers)
+    if reservation.promised:
+        headers[RETRY_TOKEN_HEADER] = claim.retry_key
+        message = (
+            f"{refused.message}; its blocks are held for this request's retry at the time "
+            "retry-after-ms gives"
+        )
+    else:
+        message = f"{refused.message}; room is expected at the time retry-after-ms gives"
+    return replace(
+        refused, message=message, retry_after_s=reservation.retry_after_s, headers=headers
+    )
 
 
 def unavailable() -> Refusal:

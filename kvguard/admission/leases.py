@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 
 from kvguard.admission.calibration import DEFAULT_DECODE_RATE, Growth
+from kvguard.admission.promises import HoldTimes
 from kvguard.ledger import Lease, Ledger
 
 # Lease goes with the keeper: callers hold leases without importing the ledger.
@@ -38,6 +39,8 @@ class LeaseKeeper:
         decode_rate: Callable[[str], float | None] = lambda _pool: None,
         trust: Callable[[str], float] = lambda _pool: 1.0,
         grow_ahead_s: float = GROW_AHEAD_S,
+        holds: HoldTimes | None = None,
+        on_released: Callable[[str], None] = lambda _pool: None,
     ) -> None:
         self._ledger = ledger
         self._lease_seconds = lease_seconds
@@ -46,13 +49,21 @@ class LeaseKeeper:
         self._trust = trust  # how far a pool's reservations trust their estimate (the loop)
         self._grow_ahead_s = grow_ahead_s
         self._open: dict[str, Lease] = {}
+        # How long leases were held, learnt as they end: what a refusal's promise reads.
+        self.holds = holds if holds is not None else HoldTimes()
+        self._since: dict[str, float] = {}  # lease id -> when it was first held
+        self._held: dict[tuple[str, str], int] = {}  # (pool, tenant) -> blocks held
+        self._on_released = on_released  # a release reached the ledger: blocks are free
         self._growing: dict[str, Growth] = {}
         self._seen: dict[str, int] = {}  # output tokens seen in a growing lease's stream
         self._releasing: set[asyncio.Task[None]] = set()
 
     def hold(self, lease: Lease, growth: Growth | None = None) -> None:
         """Hold `lease` until its stream ends; with `growth`, its blocks follow its request."""
+        held = self._open.get(lease.lease_id)
+        self._count(lease, lease.blocks - (held.blocks if held is not None else 0))
         self._open[lease.lease_id] = lease
+        self._since.setdefault(lease.lease_id, self._clock())
         if growth is not None and growth.grows:
             self._growing[lease.lease_id] = growth
 
@@ -65,15 +76,42 @@ class LeaseKeeper:
     def forget(self, lease_id: str) -> None:
         """Stop holding a lease that someone else releases (an operator, through the admin API):
         no renewal may record it again."""
-        self._open.pop(lease_id, None)
+        held = self._open.pop(lease_id, None)
+        if held is not None:
+            self._count(held, -held.blocks)
+        self._since.pop(lease_id, None)
         self._stop_growing(lease_id)
 
     def release(self, lease: Lease) -> None:
         """Start releasing `lease` if it is still held; never raises, never blocks."""
-        if self._open.pop(lease.lease_id, None) is None:
+        held = self._open.pop(lease.lease_id, None)
+        if held is None:
             return
+        self._count(held, -held.blocks)
+        since = self._since.pop(lease.lease_id, None)
+        if since is not None:  # its blocks as counted, grown ones included
+            self.holds.record(held.pool, held.blocks, self._clock() - since)
         self._stop_growing(lease.lease_id)
         self._start_release(lease)
+
+    def held_blocks(self, pool: str, tenant: str) -> int:
+        """Blocks this process holds for `tenant` in `pool` (its open leases, grown ones
+        included)."""
+        return self._held.get((pool, tenant), 0)
+
+    def _count(self, lease: Lease, blocks: int) -> None:
+        key = (lease.pool, lease.tenant)
+        total = self._held.get(key, 0) + blocks
+        if total:
+            self._held[key] = total
+        else:
+            self._held.pop(key, None)
+
+    def give_back(self, lease: Lease) -> None:
+        """Release a lease this keeper never held (admitted for a request that was gone by
+        then); never raises, never blocks."""
+        if lease.lease_id not in self._open:
+            self._start_release(lease)
 
     def _stop_growing(self, lease_id: str) -> None:
         self._growing.pop(lease_id, None)
@@ -91,6 +129,8 @@ class LeaseKeeper:
         except Exception:
             # The lease TTL is the backstop; the blocks come back when it expires.
             log.exception("releasing lease %s failed", lease.lease_id)
+            return
+        self._on_released(lease.pool)
 
     @property
     def open_leases(self) -> int:
@@ -141,6 +181,7 @@ class LeaseKeeper:
             blocks = growth.blocks_at(now, rate, seen, trust)
             if blocks > lease.blocks:
                 blocks = growth.blocks_at(now + self._grow_ahead_s, rate, seen, trust)
+                self._count(lease, blocks - lease.blocks)
                 lease = self._open[lease_id] = dataclasses.replace(lease, blocks=blocks)
                 grown.append(lease)
             if blocks >= growth.limit_blocks:

@@ -182,6 +182,8 @@ class Tenancy(_Strict):
     tenants: dict[str, str] = {}
     # Tell clients the output limit their request ran with (`x-kvguard-max-tokens`).
     expose_limit_header: bool = False
+    # Tell clients where they stand (`RateLimit` and `RateLimit-Policy`, in KV blocks).
+    rate_limit_headers: bool = True
 
     @model_validator(mode="after")
     def _tiers_exist(self) -> Tenancy:
@@ -276,6 +278,34 @@ class Reservation(_Strict):
     window_seconds: Annotated[float, Field(gt=0, le=86400)] = 900.0
 
 
+# Envoy holds a message for its answer at most max_message_timeout, which the shipped
+# configurations (envoy/envoy.yaml, k8s/, the Istio EnvoyFilters) set to this many seconds; a
+# queued request's wait and its counting must fit in it.
+SHIPPED_MAX_MESSAGE_TIMEOUT_S = 35.0
+COUNTING_BUDGET_S = 5.0
+MAX_QUEUE_WAIT_S = SHIPPED_MAX_MESSAGE_TIMEOUT_S - COUNTING_BUDGET_S
+
+
+class Queue(_Strict):
+    """A short queue before a 429 (docs/design.md, "A short queue before a 429")."""
+
+    # How long a request refused for the quota or the watermark waits for blocks, holding its
+    # stream, before its 429; 0 answers at once.
+    max_wait_seconds: Annotated[float, Field(ge=0)] = 0.0
+    max_queued: PositiveInt = 1000  # waiting requests per pool (per kvguard process) at most
+
+    @field_validator("max_wait_seconds")
+    @classmethod
+    def _fits_envoys_timeout(cls, value: float) -> float:
+        if value > MAX_QUEUE_WAIT_S:
+            raise ValueError(
+                f"at most {MAX_QUEUE_WAIT_S:g}: the wait and up to {COUNTING_BUDGET_S:g} s of "
+                f"counting must fit in the {SHIPPED_MAX_MESSAGE_TIMEOUT_S:g} s that the shipped "
+                "Envoy configurations hold a message for (max_message_timeout)"
+            )
+        return value
+
+
 class Pool(_Strict):
     name: str
     models: list[str] = Field(min_length=1)
@@ -286,6 +316,10 @@ class Pool(_Strict):
     capacity: Capacity
     media_tokens: dict[str, PositiveInt] = {}  # tokens counted per media part of that type
     reservation: Reservation = Reservation()
+    # A 429 promises the client a time to retry at, its blocks then held for it, when that
+    # time is at most this far; past it the client is told not to retry. 0 makes no promises.
+    retry_after_max_seconds: Annotated[float, Field(ge=0, le=3600)] = 30.0
+    queue: Queue = Queue()
 
     @model_validator(mode="after")
     def _known_media_parts(self) -> Pool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 
 from envoy.config.core.v3.base_pb2 import HeaderValueOption
@@ -121,11 +122,18 @@ def continue_response(kind: str) -> ProcessingResponse:
 
 
 def refusal(refused: Refusal, metadata: Mapping[str, str] | None = None) -> ProcessingResponse:
-    """The local reply for a refusal: OpenAI error body, reason header, retry-after on 429;
-    `metadata` as in admitted_body (Envoy applies it with an immediate response too)."""
+    """The local reply for a refusal: OpenAI error body, reason header, when to retry (RFC
+    9110's delay-seconds in `retry-after`, milliseconds in `retry-after-ms`, which the OpenAI
+    SDKs read first, both rounded up) or `x-should-retry: false`, and the refusal's own
+    headers; `metadata` as in admitted_body (Envoy applies it with an immediate response too)."""
     headers = {"content-type": "application/json", "x-kvguard-reason": refused.code.value}
-    if refused.retry_after_s is not None:
-        headers["retry-after"] = str(refused.retry_after_s)
+    if refused.should_retry is False:
+        headers["x-should-retry"] = "false"
+    elif refused.retry_after_s is not None:
+        headers["retry-after"] = str(math.ceil(refused.retry_after_s))
+        headers["retry-after-ms"] = str(math.ceil(refused.retry_after_s * 1000))
+        headers["x-should-retry"] = "true"
+    headers.update(refused.headers)
     response = ProcessingResponse(
         immediate_response=ImmediateResponse(
             status=HttpStatus(code=refused.code.status),

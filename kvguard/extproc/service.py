@@ -29,7 +29,9 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 from kvguard.admission.admit import Admission, Admitted
 from kvguard.admission.leases import LeaseKeeper
 from kvguard.admission.policy import Identity, Policy, identify_request
+from kvguard.admission.promises import RETRY_TOKEN_HEADER
 from kvguard.admission.record import Completion, Decision
+from kvguard.config.schema import COUNTING_BUDGET_S
 from kvguard.errors import Code, Refusal, invalid
 from kvguard.extproc import responses
 from kvguard.extproc.observe import DEFAULT_SAMPLE, Completions, Sampler
@@ -42,10 +44,10 @@ log = logging.getLogger(__name__)
 
 KVGUARD_HEADER_PREFIX = "x-kvguard-"
 # Envoy waits message_timeout (200 ms) for each answer. A decision still running after
-# SLOW_DECISION_S (a large prompt queued for counting) asks Envoy, once, to wait up to
-# EXTENDED_MESSAGE_TIMEOUT_S; Envoy ignores more than its max_message_timeout (envoy.yaml: 5s).
+# SLOW_DECISION_S (a large prompt queued for counting, a request queued for blocks) asks Envoy,
+# once, to wait up to COUNTING_BUDGET_S plus the longest queue wait of the policy's pools;
+# Envoy holds no more than its max_message_timeout (the shipped configurations: 35 s).
 SLOW_DECISION_S = 0.1
-EXTENDED_MESSAGE_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -205,9 +207,9 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
 
         def ask_for_time() -> None:
             nonlocal extension
-            extension = loop.create_task(
-                context.write(responses.extend_message_timeout(EXTENDED_MESSAGE_TIMEOUT_S))
-            )
+            waits = [p.config.queue.max_wait_seconds for p in exchange.policy.pools.values()]
+            seconds = COUNTING_BUDGET_S + max(waits, default=0.0)
+            extension = loop.create_task(context.write(responses.extend_message_timeout(seconds)))
 
         timer = loop.call_later(SLOW_DECISION_S, ask_for_time)
         try:
@@ -235,7 +237,12 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
         self, exchange: _Exchange, kind: Kind, identity: Identity, body: bytes
     ) -> Admitted:
         admitted = await self._admission.decide(
-            exchange.policy, kind, identity, body, exchange.decision
+            exchange.policy,
+            kind,
+            identity,
+            body,
+            exchange.decision,
+            exchange.headers.get(RETRY_TOKEN_HEADER, ""),
         )
         if admitted.lease is not None:
             self._keeper.hold(admitted.lease, admitted.growth)

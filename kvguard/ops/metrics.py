@@ -22,6 +22,11 @@ values with the SDK's in-memory reader. Prometheus names (a contract: dashboards
     kvguard_ledger_errors_total                          ledger calls that failed
     kvguard_config_reloads_total{result}                 result: applied|rejected
     kvguard_drain_cut_streams_total                      streams still open at drain_seconds, cut
+    kvguard_queued_requests{pool}                        requests waiting in this process's queue
+    kvguard_queue_wait_seconds{pool,outcome}             histogram, one per request that queued,
+        outcome: admitted | timed_out | full | left | failed (admission.queue.OUTCOMES)
+    kvguard_promised_blocks{pool}                        blocks promised to 429s' retries (the
+        ledger's shared view)
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ PROMPT_BUCKETS = (16, 64, 256, 1024, 4096, 8192, 16384, 32768, 65536, 131072)
 # vLLM's own bounds for vllm:request_generation_tokens, then the longer limits tiers allow.
 COMPLETION_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 4096, 8192, 16384, 32768)
 OTHER_TENANTS = "other"
+# Seconds a request waits in a pool's queue: up to the longest wait the configuration allows.
+QUEUE_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0)
 # kvguard_admissions_total's outcome label, admission.record.Decision.outcome: admitted; refused
 # (kvguard answered with an error); shadow_refused (shadow mode: it would refuse, and let the
 # request through); cancelled (the stream ended before the answer went out).
@@ -55,6 +62,8 @@ class LedgerView:
     preemptions: dict[str, int] = field(default_factory=dict)  # pool -> since kvguard started
     waiting: dict[str, int] = field(default_factory=dict)  # pool -> requests in vLLM's queue
     trust: dict[str, float] = field(default_factory=dict)  # pool -> 0 (worst case) to 1
+    promised: dict[str, int] = field(default_factory=dict)  # pool -> blocks promised to retries
+    queued: dict[str, int] = field(default_factory=dict)  # pool -> requests waiting here
     capacity_age_s: dict[str, float] = field(default_factory=dict)  # pool -> seconds
 
 
@@ -132,6 +141,23 @@ class Metrics:
             callbacks=[self._per_pool(lambda: self.view.capacity_age_s)],
             description="Seconds since the pool's capacity was last discovered",
         )
+        self._queue_wait = meter.create_histogram(
+            "kvguard_queue_wait",
+            unit="s",
+            description="Time requests waited in a pool's queue, by what became of them",
+            explicit_bucket_boundaries_advisory=QUEUE_WAIT_BUCKETS,
+        )
+        meter.create_observable_gauge(
+            "kvguard_queued_requests",
+            callbacks=[self._per_pool(lambda: self.view.queued)],
+            description="Requests waiting in this process's queue of the pool",
+        )
+        meter.create_observable_gauge(
+            "kvguard_promised_blocks",
+            callbacks=[self._per_pool(lambda: self.view.promised)],
+            description="KV blocks promised to the retries of refused requests (the ledger's "
+            "shared view)",
+        )
         meter.create_observable_gauge(
             "kvguard_tenant_reserved_blocks",
             callbacks=[self._observe_tenants],
@@ -157,6 +183,11 @@ class Metrics:
 
     def record_completion(self, *, pool: str, tier: str, completion_tokens: int) -> None:
         self._completion_tokens.record(completion_tokens, {"pool": pool, "tier": tier})
+
+    def record_queued(self, pool: str, outcome: str, waited_s: float) -> None:
+        """A request left the pool's queue: admitted, timed out, refused for a full queue, or
+        gone (its client left, or the ledger failed)."""
+        self._queue_wait.record(waited_s, {"pool": pool, "outcome": outcome})
 
     def record_ledger_error(self) -> None:
         self._ledger_errors.add(1)

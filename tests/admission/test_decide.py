@@ -13,7 +13,7 @@ from kvguard.admission import decide
 from kvguard.admission.capacity import PoolCapacity
 from kvguard.config.schema import Capacity, Pool, Tier
 from kvguard.errors import Code, Refusal
-from kvguard.ledger import Claim, Outcome
+from kvguard.ledger import Claim, Outcome, Reservation, Terms
 
 TIER = Tier(max_tokens_cap=512, default_max_tokens=256, max_blocks=100)
 POOL = Pool(
@@ -112,19 +112,70 @@ def test_a_plan_at_exactly_the_quota_and_the_pool_limit_is_claimed() -> None:
 CLAIM = Claim("lease-1", "llama", "acme", 13, 850, 100, 30.0)
 
 
+def answer(
+    outcome: Outcome,
+    wait_s: float = 0.0,
+    retry_after_s: float | None = None,
+    *,
+    promised: bool = False,
+) -> Reservation:
+    """The ledger's answer to CLAIM: the pool holds 840 blocks, the tenant 90."""
+    return Reservation(outcome, 840, 90, None, wait_s, retry_after_s, promised)
+
+
 def test_the_ledgers_answers_map_to_429s_or_to_none() -> None:
-    assert decide.refusal(Outcome.ADMITTED, CLAIM) is None
-    quota = decide.refusal(Outcome.TENANT_QUOTA, CLAIM)
+    assert decide.refusal(answer(Outcome.ADMITTED), CLAIM) is None
+    quota = decide.refusal(answer(Outcome.TENANT_QUOTA), CLAIM)
     assert quota is not None and quota.code is Code.TENANT_BLOCK_QUOTA_EXCEEDED
     assert quota.message == (
         "tenant quota of 100 KV-cache blocks in pool 'llama' is in use by this tenant's "
         "requests in flight; retry later"
     )
-    full = decide.refusal(Outcome.POOL_WATERMARK, CLAIM)
+    full = decide.refusal(answer(Outcome.POOL_WATERMARK), CLAIM)
     assert full is not None and full.code is Code.KV_CACHE_WATERMARK_EXCEEDED
     assert full.message == "the KV cache of pool 'llama' is full; retry later"
     for refusal in (quota, full):
         assert (refusal.code.status, refusal.retry_after_s) == (429, decide.RETRY_AFTER_S)
+        assert (refusal.should_retry, refusal.headers) == (None, {})
+
+
+TERMS = Terms(hold_s=10.0, max_wait_s=30.0, jitter_s=0.2, grace_s=2.0)
+PROMISING = Claim("lease-1", "llama", "acme", 13, 850, 100, 30.0, "k" * 32, TERMS)
+
+
+def test_a_promised_slot_is_the_retry_after_with_its_token() -> None:
+    refusal = decide.refusal(answer(Outcome.POOL_WATERMARK, 2.0, 2.2, promised=True), PROMISING)
+    assert refusal is not None
+    assert (refusal.retry_after_s, refusal.should_retry) == (2.2, None)
+    assert refusal.headers == {"x-kvguard-retry-token": "k" * 32}
+    assert refusal.message.endswith(
+        "held for this request's retry at the time retry-after-ms gives"
+    )
+    told = decide.refusal(answer(Outcome.POOL_WATERMARK, 2.0, 2.2), PROMISING)
+    assert told is not None and (told.retry_after_s, told.headers) == (2.2, {})
+    assert told.message.endswith("room is expected at the time retry-after-ms gives")
+
+
+def test_no_slot_within_max_wait_says_do_not_retry() -> None:
+    refusal = decide.refusal(answer(Outcome.TENANT_QUOTA, 31.0), PROMISING)
+    assert refusal is not None
+    assert (refusal.retry_after_s, refusal.should_retry) == (None, False)
+    assert "no room for this request is expected within 30 s" in refusal.message
+    assert "x-kvguard-retry-token" not in refusal.headers
+
+
+def test_rate_limit_headers_say_where_the_tenant_stands() -> None:
+    refusal = decide.refusal(
+        answer(Outcome.TENANT_QUOTA, 2.4, 2.6), PROMISING, rate_limit_headers=True
+    )
+    assert refusal is not None
+    # 10 blocks left of the quota, 10 of the pool's limit; the blocks free in 2.4 s: t=3.
+    assert refusal.headers["ratelimit-policy"] == '"kv";q=100'
+    assert refusal.headers["ratelimit"] == '"kv";r=10;t=3'
+    admitted = Reservation(Outcome.ADMITTED, 500, 20)
+    assert decide.rate_limit(admitted, CLAIM).headers()["ratelimit"] == '"kv";r=80;t=0'
+    unknown = answer(Outcome.POOL_WATERMARK, float("inf"))
+    assert decide.rate_limit(unknown, CLAIM).headers()["ratelimit"] == '"kv";r=10'
 
 
 def test_an_unreachable_ledger_is_a_503_with_retry_after() -> None:
@@ -155,7 +206,7 @@ _AUDITED = textwrap.dedent(
     from kvguard.admission.capacity import PoolCapacity
     from kvguard.config.schema import Capacity, Pool, Tier
     from kvguard.errors import Refusal
-    from kvguard.ledger import Outcome
+    from kvguard.ledger import Outcome, Reservation
 
     pool = Pool(name="p", models=["m"], tokenizer="/t", max_model_len=2048, watermark=0.1,
                 capacity=Capacity(blocks=500, block_size=16))
@@ -181,7 +232,7 @@ _AUDITED = textwrap.dedent(
                 outcomes.append(refusal.code.value)
                 continue
             for outcome in Outcome:
-                refused = decide.refusal(outcome, claim)
+                refused = decide.refusal(Reservation(outcome, 0, 0), claim)
                 outcomes.append(refused.code.value if refused else claim.blocks)
             outcomes.append(decide.passes_in_shadow(True, decide.unavailable().code))
         return outcomes

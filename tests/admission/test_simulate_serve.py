@@ -117,6 +117,7 @@ def serve(
     *,
     calibration: Calibration | None = None,
     clock: Callable[[], float] = lambda: 0.0,
+    hold_s: Callable[[str], float] | None = None,
 ) -> tuple[Admission, Policy, MemoryLedger, GivenCount]:
     pool = config.pools[0]
     assert pool.capacity.blocks is not None and pool.capacity.block_size is not None
@@ -132,6 +133,8 @@ def serve(
     admission = Admission(
         ledger, cast(PromptCounter, counter), capacities, settings_, calibration, clock
     )
+    if hold_s is not None:
+        admission.hold_s = hold_s
     return admission, policy, ledger, counter
 
 
@@ -205,9 +208,13 @@ async def both_decide(
         calibration = Calibration()
         learn(gate.calibration, gate.pool, config.tenancy, learnt)
         learn(calibration, pool, config.tenancy, learnt)
-    admission, policy, ledger, counter = serve(config, calibration=calibration)
+    # Both promise refused requests a retry by the same hold times (the gate's, from its
+    # releases); each request is new (its own body and id), so none is a retry.
+    admission, policy, ledger, counter = serve(
+        config, calibration=calibration, hold_s=gate.holds.hold_s
+    )
     held: list[tuple[Lease, Lease]] = []  # (simulate's, serve's) lease of each admitted request
-    for step in steps:
+    for i, step in enumerate(steps):
         await same_usage(gate, ledger)
         if isinstance(step, Release):
             if held:
@@ -217,9 +224,9 @@ async def both_decide(
             continue
         sent = step.output_tokens if step.sends_max_tokens else None
         request = TraceRequest(0.0, step.tenant, step.prompt_tokens, step.output_tokens, sent)
-        verdict = await gate.admit(request, f"r{len(held)}")
+        verdict = await gate.admit(request, f"r{i}")
         event(verdict.refused or "admitted")
-        body: dict[str, Any] = {"model": MODEL, "prompt": "x"}
+        body: dict[str, Any] = {"model": MODEL, "prompt": f"ask {i}"}
         if step.sends_max_tokens:
             body["max_tokens"] = step.output_tokens
         counter.prompt_tokens = step.prompt_tokens
@@ -231,6 +238,11 @@ async def both_decide(
             )
         except Refusal as refusal:
             assert verdict.refused == refusal.code.value, (step, refusal.message)
+            # The same promise, or the same word not to retry (the jitter differs).
+            assert verdict.should_retry == (refusal.should_retry is not False), step
+            assert (verdict.retry_after_s is None) == (refusal.retry_after_s is None), step
+            if verdict.retry_after_s is not None:
+                event("promised")
             if decision.max_tokens is not None:  # refused once sized
                 assert verdict.max_tokens == decision.max_tokens, step
             continue
@@ -252,9 +264,10 @@ async def both_decide(
 
 
 async def same_usage(gate: PolicyGate, ledger: MemoryLedger) -> None:
-    """Both ledgers hold the same blocks, per tenant."""
+    """Both ledgers hold the same blocks, per tenant, and the same promises."""
     simulated, served = await gate.ledger.usage(gate.pool.name), await ledger.usage(gate.pool.name)
     assert (simulated.reserved, simulated.tenants) == (served.reserved, served.tenants)
+    assert (simulated.promised, simulated.promises) == (served.promised, served.promises)
 
 
 @settings(max_examples=200, deadline=None, derandomize=True, database=None)

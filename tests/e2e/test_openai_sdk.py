@@ -41,8 +41,8 @@ def client(gw: Gateway, tenant: str | None = "acme") -> openai.AsyncOpenAI:
 
 async def hold(gw: Gateway, tenant: str, blocks: int) -> None:
     """Reserve `blocks` of pool qwen for `tenant` directly in the ledger, as a request in
-    flight would."""
-    claim = Claim(uuid.uuid4().hex, "qwen", tenant, blocks, blocks, blocks, 60)
+    flight would (whatever a case before promised a retry)."""
+    claim = Claim(uuid.uuid4().hex, "qwen", tenant, blocks, 10**6, 10**6, 60)
     assert (await gw.service.ledger.reserve(claim)).lease is not None
 
 
@@ -143,8 +143,10 @@ async def test_each_code_raises_the_sdks_error_class(tmp_path: Path) -> None:
         assert type(error) is error_class, code
         assert (error.status_code, error.code, error.type) == (status, code, error_type)
         assert error.response.headers["x-kvguard-reason"] == code
-        if status == 429:
-            assert error.response.headers["retry-after"] == "1"
+        if status == 429:  # a promised retry: when, in seconds and in ms (the SDK's first)
+            headers = error.response.headers
+            assert int(headers["retry-after"]) == -(-int(headers["retry-after-ms"]) // 1000)
+            assert headers["x-should-retry"] == "true"
 
 
 @pytest.mark.redis

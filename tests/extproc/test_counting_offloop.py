@@ -14,7 +14,7 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from kvguard.app import Service
-from kvguard.extproc.service import EXTENDED_MESSAGE_TIMEOUT_S
+from kvguard.config.schema import COUNTING_BUDGET_S
 from kvguard.testing.wait import wait_until
 from kvguard.tokens.counting import LONG_WORK_BYTES, PromptCounter, work_bytes
 from kvguard.tokens.request import parse
@@ -156,9 +156,7 @@ async def test_a_slow_decision_asks_envoy_for_more_time(
         await spy.wait_started()
         extension = await call.read()  # sent while the count is still held on its thread
         assert extension.WhichOneof("response") is None
-        assert extension.override_message_timeout.ToMilliseconds() == (
-            EXTENDED_MESSAGE_TIMEOUT_S * 1000
-        )
+        assert extension.override_message_timeout.ToMilliseconds() == (COUNTING_BUDGET_S * 1000)
         spy.release.set()
         answer, more = await body_answer(call)
         assert more == []  # once per message

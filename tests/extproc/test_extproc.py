@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 from pathlib import Path
 
 import grpc
@@ -84,6 +85,10 @@ async def _is_zero(service: Service) -> bool:
     return await reserved(service) == 0
 
 
+async def _reserved_is(service: Service, blocks: int) -> bool:
+    return await reserved(service) == blocks
+
+
 async def test_cancelled_stream_releases_its_lease(tmp_path: Path) -> None:
     async with running(tmp_path) as (service, stub):
         call, _ = await exchange(stub, headers("/v1/chat/completions"), body(CHAT))
@@ -144,7 +149,12 @@ async def test_the_decision_is_dynamic_metadata_for_the_access_log(tmp_path: Pat
         "blocks": sent["x-kvguard-blocks"],
         "prompt_tokens": sent["x-kvguard-prompt-tokens"],
         "reserved_output": sent["x-kvguard-reserved-output"],
+        "ratelimit": metadata(admitted)["ratelimit"],
+        "ratelimit_policy": '"kv";q=400',  # the pro tier's quota
     }
+    # What the tenant could reserve next: at most its quota less this request's blocks.
+    remaining = re.fullmatch(r'"kv";r=([0-9]+);t=0', metadata(admitted)["ratelimit"])
+    assert remaining is not None and int(remaining[1]) <= 400 - int(sent["x-kvguard-blocks"])
     assert sent["x-kvguard-lease"] != "forged"
     assert refusal(refused)[0] == 404 and metadata(refused) == {"tenant": "acme"}
     assert refusal(unknown)[0] == 401 and metadata(unknown) == {}
@@ -319,14 +329,20 @@ async def test_tenant_quota_then_watermark_give_429(tmp_path: Path) -> None:
             stub, headers("/v1/chat/completions", tenant="freeloader"), body(CHAT)
         )
         status, hdrs, error = refusal(over)
-        assert (status, error["error"]["code"], hdrs["retry-after"]) == (
-            429,
-            "tenant_block_quota_exceeded",
-            "1",
-        )
+        assert (status, error["error"]["code"]) == (429, "tenant_block_quota_exceeded")
         assert hdrs["x-kvguard-reason"] == "tenant_block_quota_exceeded"
-        # Another free tenant fills the pool to its limit of 50 blocks: 39 + 3 + 3 + 3 = 48.
-        for _ in range(3):
+        # 2 blocks over the quota of 40: one release of this request's 3 blocks, of the 39
+        # held 10 s each (the time assumed before any release): 3 / 3.9 s, plus up to 0.5 s
+        # of jitter.
+        ms = int(hdrs["retry-after-ms"])
+        assert 769 <= ms <= 1270
+        assert (int(hdrs["retry-after"]), hdrs["x-should-retry"]) == (-(-ms // 1000), "true")
+        assert len(hdrs["x-kvguard-retry-token"]) == 32
+        assert hdrs["ratelimit-policy"] == '"kv";q=40'
+        assert hdrs["ratelimit"] == '"kv";r=1;t=1'
+        # Another free tenant fills the pool's limit of 50 blocks beside the 3 blocks promised
+        # to the freeloader's retry: 39 + 3 + 3 + 3 = 48.
+        for _ in range(2):
             call, (_, answer) = await exchange(
                 stub, headers("/v1/chat/completions", tenant="other"), body(CHAT)
             )
@@ -337,8 +353,47 @@ async def test_tenant_quota_then_watermark_give_429(tmp_path: Path) -> None:
         )
         assert refusal(full)[0] == 429
         assert refusal(full)[2]["error"]["code"] == "kv_cache_watermark_exceeded"
-        assert await reserved(service) == 48
+        assert await reserved(service) == 45
         for call in calls:
+            await call.done_writing()
+        await wait_until(lambda: _is_zero(service), "every lease to be released")
+
+
+async def test_a_retry_takes_the_blocks_promised_to_it(tmp_path: Path) -> None:
+    """The retry of a refused request, recognised by its body or by the token handed out,
+    takes the blocks held for it, which a fresh request cannot."""
+    async with running(tmp_path, blocks=100, watermark=0.5) as (service, stub):
+        calls = []
+        for i in range(16):  # 48 of the pool's 50 blocks, 3 a request
+            call, _ = await exchange(
+                stub, headers("/v1/chat/completions", tenant=f"t{i % 2}"), body(CHAT)
+            )
+            calls.append(call)
+        waiting = {**CHAT, "user": "waiting"}
+        _, (_, refused) = await exchange(
+            stub, headers("/v1/chat/completions", tenant="u"), body(waiting)
+        )
+        token = refusal(refused)[1]["x-kvguard-retry-token"]
+        _, (_, by_token) = await exchange(
+            stub,
+            headers("/v1/chat/completions", {"x-kvguard-retry-token": token}, tenant="u"),
+            body({**CHAT, "user": "other"}),
+        )
+        assert refusal(by_token)[2]["error"]["code"] == "kv_cache_watermark_exceeded"
+        assert (await service.ledger.usage("qwen")).promises == 1  # the same promise
+        await calls.pop().done_writing()  # 45 reserved, 3 promised to the refused request
+        await wait_until(lambda: _reserved_is(service, 45), "a lease to be released")
+        _, (_, fresh) = await exchange(
+            stub, headers("/v1/chat/completions", tenant="v"), body(CHAT)
+        )
+        assert refusal(fresh)[2]["error"]["code"] == "kv_cache_watermark_exceeded"
+        retry, (_, again) = await exchange(
+            stub, headers("/v1/chat/completions", tenant="u"), body(waiting)
+        )
+        assert again.WhichOneof("response") == "request_body"
+        usage = await service.ledger.usage("qwen")
+        assert (usage.reserved, usage.promises) == (48, 1)  # the fresh request's is left
+        for call in [*calls, retry]:
             await call.done_writing()
         await wait_until(lambda: _is_zero(service), "every lease to be released")
 
