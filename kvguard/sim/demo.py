@@ -11,7 +11,9 @@ accounting, real time, no GPU): 512 usable blocks of 16 tokens. Two tenants shar
 Unguarded, acme's requests fill the KV cache, vLLM preempts and recomputes, and the hobbyist's
 small requests queue behind them. Guarded, kvguard (capacity discovered from the simulator's
 /metrics, memory ledger) clamps acme to its tier and admits only what fits: no preemptions, and
-the hobbyist's latency stays low; the rest is refused early with a 429.
+the hobbyist's latency stays low. What does not fit waits in the pool's short queue (the
+hobbyist, holding fewer blocks, first), and past its wait gets a 429 that promises a time; the
+clients retry once when told to, as the OpenAI SDK does.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ ENGINE = EngineConfig(
 )
 NATURAL_TOKENS = (40, 120)  # where a request without ignore_eos ends
 TIERS = {"acme": "pro", "hobbyist": "free"}
+QUEUE_WAIT_S = 3.0  # the pool's queue.max_wait_seconds
+RETRIES = 1  # each client retries a 429 once when told to
 
 
 def demo_config(sim_url: str, tokenizer: Path) -> dict[str, Any]:
@@ -74,6 +78,7 @@ def demo_config(sim_url: str, tokenizer: Path) -> dict[str, Any]:
                 "max_model_len": ENGINE.max_model_len,
                 "watermark": 0.15,
                 "capacity": {"endpoints": [sim_url], "refresh_seconds": 1},
+                "queue": {"max_wait_seconds": QUEUE_WAIT_S},
             }
         ],
     }
@@ -143,7 +148,7 @@ async def _unguarded(burst: list[Planned]) -> tuple[list[Answer], SimServer]:
     await sim.start()
     try:
         progress = Progress("unguarded", len(burst))
-        answers = await send_all(sim.url, burst, on_done=progress)
+        answers = await send_all(sim.url, burst, on_done=progress, retries=RETRIES)
         progress.finish()
         return answers, sim
     finally:
@@ -173,7 +178,7 @@ async def _guarded(
         stop, peak = asyncio.Event(), [0]
         sampler = asyncio.create_task(_sample_peak(service, stop, peak))
         progress = Progress("kvguard", len(burst))
-        answers = await send_all(envoy.url, burst, on_done=progress)
+        answers = await send_all(envoy.url, burst, on_done=progress, retries=RETRIES)
         progress.finish()
         left = await _drained(service)
         stop.set()
@@ -217,10 +222,12 @@ def _row(answers: list[Answer], sim: SimServer, tenant: str) -> dict[str, str]:
         != {k: v for k, v in a.planned.body.items() if k in ("max_tokens", "max_completion_tokens")}
     )
     p50, p99 = percentile(served, 0.5), percentile(served, 0.99)
+    retried = sum(1 for a in mine if a.ok and a.attempts > 1)
     return {
         "preempted": str(sim.tenant_preemptions.get(tenant, 0)),
         "latency": "-" if p50 is None or p99 is None else f"{p50:.1f} / {p99:.1f} s",
         "served": str(len(served)),
+        "retried": str(retried),
         "clamped": str(clamped),
         "refused": ", ".join(f"{n} x {why}" for why, n in refused.most_common()) or "-",
     }
@@ -231,7 +238,7 @@ def _table(before: tuple[list[Answer], SimServer], after: tuple[list[Answer], Si
         f"{'':<20}{'unguarded: straight to vLLM':<38}{'guarded: Envoy + kvguard'}",
         f"{'tenant':<9}{'tier':<5}{'sent':>5}  {'preempted':>9} {'latency p50/p99':>16} "
         f"{'served':>7}  {'preempted':>9} {'latency p50/p99':>16} {'served':>7} "
-        f"{'clamped':>7}  refused",
+        f"{'retried':>7} {'clamped':>7}  refused",
     ]
     for tenant, tier in TIERS.items():
         sent = sum(1 for a in before[0] if a.planned.tenant == tenant)
@@ -239,7 +246,7 @@ def _table(before: tuple[list[Answer], SimServer], after: tuple[list[Answer], Si
         lines.append(
             f"{tenant:<9}{tier:<5}{sent:>5}  {b['preempted']:>9} {b['latency']:>16} "
             f"{b['served']:>7}  {a['preempted']:>9} {a['latency']:>16} {a['served']:>7} "
-            f"{a['clamped']:>7}  {a['refused']}"
+            f"{a['retried']:>7} {a['clamped']:>7}  {a['refused']}"
         )
     return "\n".join(lines)
 
@@ -250,6 +257,8 @@ async def _run(requests_per_tenant: int, tokenizer: Path) -> int:
         f"vLLM simulator: {ENGINE.usable_blocks} KV blocks of {ENGINE.block_size} tokens, "
         f"max_num_seqs {ENGINE.max_num_seqs}\nacme (pro): {requests_per_tenant} x 1200 output "
         f"tokens at once; hobbyist (free): {requests_per_tenant} short jokes, 4 a second\n"
+        f"guarded: a queue of up to {QUEUE_WAIT_S:g} s before a 429; clients retry a 429 "
+        f"{RETRIES} time when told to\n"
     )
     unguarded = await _unguarded(burst)
     with tempfile.TemporaryDirectory(prefix="kvguard-demo-") as tmp:

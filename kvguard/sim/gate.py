@@ -19,17 +19,19 @@ and the LeaseKeeper grows each lease every second as its request decodes.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
+import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvguard.admission import decide
-from kvguard.admission.admit import reserve
 from kvguard.admission.calibration import PRESSURE_SHARE, Calibration, Estimate, Growth
 from kvguard.admission.capacity import PoolCapacity
 from kvguard.admission.leases import GROW_INTERVAL_S, Lease, LeaseKeeper
 from kvguard.admission.outputs import Histogram, Observed, OutputLengths, Sampler
 from kvguard.admission.policy import known
+from kvguard.admission.promises import HoldTimes, retry_key, terms
 from kvguard.config.schema import Config
 from kvguard.errors import Code, Refusal
 from kvguard.ledger.memory import MemoryLedger
@@ -60,6 +62,11 @@ class Verdict:
     lease: Lease | None = None
     would_refuse: str | None = None  # shadow mode: the code it passed with, without a lease
     observed: bool = False  # its response is read (the sampled share): its stream is seen
+    # A 429's answer: the seconds until its promised retry (None: none promised), and whether
+    # retrying helps at all.
+    retry_after_s: float | None = None
+    should_retry: bool = True
+    wait_s: float = 0.0  # a promised retry may wait this long for its held blocks
 
 
 class PolicyGate:
@@ -72,6 +79,7 @@ class PolicyGate:
         clock: Callable[[], float],
         *,
         calibrated: bool = False,
+        seed: int = 0,
     ):
         self.tenancy = config.tenancy
         self.shadow = config.shadow
@@ -89,6 +97,10 @@ class PolicyGate:
             outputs = OutputLengths(self.pool.reservation.window_seconds)
             self.calibration = Calibration(outputs)
         self._counted: dict[str, int] = {}  # lease id -> blocks the ledger counts (grown)
+        # Promises, as serve makes them: hold times learnt from the releases, seeded jitter.
+        self.holds = HoldTimes()
+        self._since: dict[str, float] = {}  # lease id -> when it was admitted
+        self._rng = random.Random(seed)
         self._sampler = Sampler(config.server.response_sample)
         self._rate: float | None = None  # decode tokens/s per sequence, as last read
         self.keeper = LeaseKeeper(
@@ -111,13 +123,20 @@ class PolicyGate:
         return self.tenancy.tier_of(tenant) or ""
 
     async def admit(
-        self, request: TraceRequest, uid: str, *, reserve_output: int | None = None
+        self,
+        request: TraceRequest,
+        uid: str,
+        *,
+        reserve_output: int | None = None,
+        final: bool = False,
     ) -> Verdict:
-        """Decide `request` (`uid`: its request id), a completion of its prompt that sends the
-        trace's `max_tokens` (none when it has none: kvguard injects the tier's default). It
-        reserves its prompt and `reserve_output` output tokens (an oracle's; None: the
-        calibrated estimate in calibrated mode, else the whole limit), as `decide.plan` sizes
-        them."""
+        """Decide `request` (`uid`: its request id, the same for its retries), a completion of
+        its prompt that sends the trace's `max_tokens` (none when it has none: kvguard injects
+        the tier's default). It reserves its prompt and `reserve_output` output tokens (an
+        oracle's; None: the calibrated estimate in calibrated mode, else the whole limit), as
+        `decide.plan` sizes them. A promised retry whose held blocks are not all free yet gets
+        a verdict with `wait_s`: it is decided again as blocks free, and with `final` once
+        its wait is over, as serve's does."""
         sent_limit = request.max_tokens
         unsized = sent_limit if sent_limit is not None else request.output_tokens
         try:
@@ -147,14 +166,48 @@ class PolicyGate:
             unaccounted = 0
             if self.calibration is not None:
                 unaccounted = self.calibration.engine.unaccounted(self.pool.name)
-            claim = decide.claim(plan, f"sim-{next(self._ids)}", _FOREVER_S, unaccounted)
-            lease = await reserve(self.ledger, claim)
+            promise = None
+            if not self.shadow:
+                promise = terms(self.pool, self.holds.hold_s(self.pool.name), self._rng)
+            key = retry_key(identity.tenant, uid.encode()) if promise is not None else ""
+            claim = decide.claim(
+                plan,
+                f"sim-{next(self._ids)}",
+                _FOREVER_S,
+                unaccounted,
+                retry_key=key,
+                terms=promise,
+            )
+            if final:  # its wait ended: told when, nothing held
+                claim = dataclasses.replace(claim, retry_key="")
+            reservation = await self.ledger.reserve(claim)
+            refused = decide.refusal(reservation, claim)
+            if refused is not None and reservation.waiting_s > 0:
+                # Back at its time, its held blocks not all free yet: it waits, as serve does.
+                return Verdict(
+                    identity.tier_name,
+                    limits.max_tokens,
+                    limits.clamped,
+                    refused=refused.code.value,
+                    wait_s=reservation.waiting_s,
+                )
+            if refused is not None:
+                raise refused
+            lease = reservation.lease
+            assert lease is not None
         except Refusal as refusal:
             if decide.passes_in_shadow(self.shadow, refusal.code):
                 return self._shadowed(identity.tier_name, request, refusal.code)
-            code = refusal.code.value
-            return Verdict(identity.tier_name, limits.max_tokens, limits.clamped, refused=code)
+            return Verdict(
+                identity.tier_name,
+                limits.max_tokens,
+                limits.clamped,
+                refused=refusal.code.value,
+                retry_after_s=refusal.retry_after_s,
+                should_retry=refusal.should_retry is not False,
+            )
         self.held += lease.blocks
+        self._since[lease.lease_id] = now
         observed = False
         if self.calibration is not None:
             self._counted[lease.lease_id] = lease.blocks
@@ -184,7 +237,9 @@ class PolicyGate:
     async def release(self, lease: Lease) -> None:
         self.keeper.forget(lease.lease_id)  # the gate releases it, at once
         await self.ledger.release(lease)
-        self.held -= self._counted.pop(lease.lease_id, lease.blocks)
+        blocks = self._counted.pop(lease.lease_id, lease.blocks)
+        self.held -= blocks
+        self.holds.record(self.pool.name, blocks, self._clock() - self._since.pop(lease.lease_id))
 
     def finished(self, verdict: Verdict, output_tokens: int) -> None:
         """A request ended having produced `output_tokens`: vLLM counts it in its histogram,

@@ -2,7 +2,8 @@
 
 Used by `kvguard demo` and bench/bench_sim_fidelity.py. Each planned request is sent at its
 offset from the start (a schedule, not a synchronisation), and its answer is timed: the first
-streamed token, the end, the status and kvguard's refusal reason.
+streamed token, the end, the status and kvguard's refusal reason. A 429 may be retried as the
+OpenAI SDK does: after `retry-after-ms` (else `retry-after`), unless `x-should-retry: false`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class Answer:
     done_at: float = 0.0
     completion_tokens: int | None = None
     error: str | None = None  # a transport failure
+    attempts: int = 1  # sends, retries included
 
     @property
     def ok(self) -> bool:
@@ -57,8 +59,10 @@ async def send_all(
     tenant_header: str = "x-tenant-id",
     on_done: Callable[[Answer], None] | None = None,
     timeout_s: float = 600.0,
+    retries: int = 0,
 ) -> list[Answer]:
-    """Send every planned request at its time; returns the answers in plan order."""
+    """Send every planned request at its time, retrying a 429 up to `retries` times; returns
+    the answers (the last attempt's) in plan order."""
     loop = asyncio.get_running_loop()
     start = loop.time()
     timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -68,18 +72,25 @@ async def send_all(
         await asyncio.sleep(max(0.0, start + planned.at_s - loop.time()))
         answer = Answer(planned, index, sent_at=loop.time() - start)
         headers = {tenant_header: planned.tenant, **planned.headers}
-        try:
-            async with session.post(
-                base_url + planned.path, json=dict(planned.body), headers=headers
-            ) as response:
-                answer.status = response.status
-                answer.reason = response.headers.get("x-kvguard-reason", "")
-                if response.status == 200 and planned.body.get("stream") is True:
-                    await _read_stream(response, answer, lambda: loop.time() - start)
-                else:
-                    _read_whole(await response.read(), answer)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            answer.error = f"{type(exc).__name__}: {exc}"
+        while True:
+            answer.reason, wait_s = "", None
+            try:
+                async with session.post(
+                    base_url + planned.path, json=dict(planned.body), headers=headers
+                ) as response:
+                    answer.status = response.status
+                    answer.reason = response.headers.get("x-kvguard-reason", "")
+                    if response.status == 200 and planned.body.get("stream") is True:
+                        await _read_stream(response, answer, lambda: loop.time() - start)
+                    else:
+                        _read_whole(await response.read(), answer)
+                    wait_s = _retry_after_s(response.headers)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                answer.error = f"{type(exc).__name__}: {exc}"
+            if answer.status != 429 or wait_s is None or answer.attempts > retries:
+                break
+            answer.attempts += 1
+            await asyncio.sleep(wait_s)  # what the server asked for, as the SDK does
         answer.done_at = loop.time() - start
         if on_done is not None:
             on_done(answer)
@@ -87,6 +98,18 @@ async def send_all(
 
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         return list(await asyncio.gather(*(one(session, i, p) for i, p in enumerate(plan))))
+
+
+def _retry_after_s(headers: Mapping[str, str]) -> float | None:
+    """When a refused request may come back, as the OpenAI SDK reads it; None: not at all."""
+    if headers.get("x-should-retry") == "false":
+        return None
+    for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
+        try:
+            return float(headers[name]) * scale
+        except (KeyError, ValueError):
+            continue
+    return None
 
 
 async def _read_stream(

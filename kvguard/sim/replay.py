@@ -104,8 +104,9 @@ async def replay(
     each request reserving `reserve(request)` output tokens (None, or no `reserve`: its whole
     limit).
 
-    A request refused with a 429 comes back after `retry-after` seconds, `retries` times at
-    most; its TTFT counts from its first arrival.
+    A request refused with a 429 comes back after its retry-after (in ms, as the OpenAI SDK
+    reads it), `retries` times at most, unless told not to retry; its TTFT counts from its
+    first arrival.
     """
     clock = _Clock()
     gate = gate_factory(clock) if gate_factory is not None else None
@@ -120,7 +121,10 @@ async def replay(
     heapq.heapify(arrivals)
     order = itertools.count(len(requests))
 
-    async def arrive(at: float, index: int, attempt: int) -> None:
+    # Promised retries waiting for their held blocks: index -> (attempt, until when).
+    waiting: dict[int, tuple[int, float]] = {}
+
+    async def arrive(at: float, index: int, attempt: int, *, final: bool = False) -> None:
         request = requests[index]
         clock.now = at
         room = config.max_model_len - request.prompt_tokens
@@ -129,7 +133,13 @@ async def replay(
             verdict = Verdict("", limit)
         else:
             reserved = reserve(request) if reserve is not None else None
-            verdict = await gate.admit(request, f"sim-{index}", reserve_output=reserved)
+            verdict = await gate.admit(
+                request, f"sim-{index}", reserve_output=reserved, final=final
+            )
+            if verdict.wait_s > 0:  # it waits on its stream, decided again as blocks free
+                waiting[index] = (attempt, at + verdict.wait_s)
+                return
+        waiting.pop(index, None)
         if verdict.refused is None and verdict.max_tokens > room:
             # vLLM itself answers 400: prompt + max_tokens above max_model_len.
             if gate is not None and verdict.lease is not None:
@@ -141,8 +151,10 @@ async def replay(
             verdict.refused is not None
             and attempt < retries
             and Code(verdict.refused).status == 429
+            and verdict.should_retry
         ):
-            heapq.heappush(arrivals, (at + RETRY_AFTER_S, next(order), index, attempt + 1))
+            wait = verdict.retry_after_s if verdict.retry_after_s is not None else RETRY_AFTER_S
+            heapq.heappush(arrivals, (at + wait, next(order), index, attempt + 1))
             return
         outcome = Outcome(request, verdict, attempts=attempt + 1)
         run.outcomes.append(outcome)
@@ -163,7 +175,12 @@ async def replay(
         return [(verdict, seq.output_tokens) for verdict, seq in open_leases.values()]
 
     now = 0.0
-    while arrivals or not engine.idle:
+    while arrivals or not engine.idle or waiting:
+        if engine.idle and not arrivals:  # only waiters left: their waits end
+            now = max(now, min(until for _, until in waiting.values()))
+            for index, (attempt, until) in list(waiting.items()):
+                await arrive(now, index, attempt, final=now >= until)
+            continue
         if engine.idle:
             now = max(now, arrivals[0][0])
         while arrivals and arrivals[0][0] <= now:
@@ -187,6 +204,10 @@ async def replay(
             if gate is not None and verdict.lease is not None:
                 gate.finished(verdict, seq.output_tokens)
                 await gate.release(verdict.lease)
+        # Waiting retries are decided again as blocks free, first come first; those whose
+        # wait is over get their final answer.
+        for index, (attempt, until) in list(waiting.items()):
+            await arrive(now, index, attempt, final=now >= until)
         if gate is not None:
             gate.stepped(result.end - result.start)
             await gate.tick(now, engine.preemptions_total, engine.pool.used, progress)

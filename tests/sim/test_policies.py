@@ -34,6 +34,7 @@ pools:
     max_model_len: 1600
     watermark: 0.0
     capacity: {blocks: 100, block_size: 16}
+    retry_after_max_seconds: 0  # its clients never retry: a promise would only hold blocks
 """
 
 

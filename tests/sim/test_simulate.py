@@ -34,6 +34,8 @@ def write_config(folder: Path, capacity: dict[str, object]) -> Path:
                 "max_model_len": 4096,
                 "watermark": 0.15,
                 "capacity": capacity,
+                # The replayed clients never retry: a promise would only hold blocks.
+                "retry_after_max_seconds": 0,
             }
         ],
     }
