@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import importlib.resources
+import math
 import re
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -37,6 +38,7 @@ from kvguard.ledger import (
     Outcome,
     PoolUsage,
     Reservation,
+    Terms,
 )
 
 # Fast failure: a healthy Redis on the same network answers in well under a millisecond, so a
@@ -70,6 +72,7 @@ UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 _OUTCOMES = {0: Outcome.ADMITTED, 1: Outcome.TENANT_QUOTA, 2: Outcome.POOL_WATERMARK}
+_NONE = -1  # reserve.lua's times for "never" / "no retry" / "nothing due"
 _INCLUDE = re.compile(r"^--#include (\S+)$", re.MULTILINE)
 
 T = TypeVar("T")
@@ -97,13 +100,65 @@ SCRIPT_NAMES = ("reserve", "release", "renew", "reassert", "usage", "leases")
 
 
 def pool_keys(pool: str) -> list[str]:
-    """KEYS of the scripts for `pool`: leases, expiries, tenants, reserved, epoch (lib.lua)."""
+    """KEYS[1..5] of the scripts for `pool`: leases, expiries, tenants, reserved, epoch
+    (lib.lua)."""
     tag = f"kvguard:{{{pool}}}"
     return [f"{tag}:leases", f"{tag}:expiries", f"{tag}:tenants", f"{tag}:reserved", f"{tag}:epoch"]
 
 
+def promise_keys(pool: str) -> list[str]:
+    """KEYS[6..17], after `pool_keys`: promises, promise order, promise sequence, promise
+    expiries, promised, promised tenants, promise holds, holding, holding tenants, unreturned,
+    promise budgets, promise counts (lib.lua)."""
+    tag = f"kvguard:{{{pool}}}"
+    names = (
+        "promises",
+        "promise-order",
+        "promise-seq",
+        "promise-expiries",
+        "promised",
+        "promised-tenants",
+        "promise-holds",
+        "holding",
+        "holding-tenants",
+        "unreturned",
+        "promise-budgets",
+        "promise-counts",
+    )
+    return [f"{tag}:{name}" for name in names]
+
+
+def drain_keys(pool: str) -> list[str]:
+    """KEYS[18..20], after `promise_keys`: drain, tenant drains, since (lib.lua)."""
+    tag = f"kvguard:{{{pool}}}"
+    return [f"{tag}:drain", f"{tag}:drain-tenants", f"{tag}:since"]
+
+
+def all_keys(pool: str) -> list[str]:
+    """The KEYS of every script for `pool` (lib.lua)."""
+    return [*pool_keys(pool), *promise_keys(pool), *drain_keys(pool)]
+
+
 def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
+
+
+def _terms_args(terms: Terms | None) -> tuple[Any, ...]:
+    """reserve.lua's ARGV[8..11]: the hold time in seconds, then max wait, jitter and grace
+    in ms; none without terms."""
+    if terms is None:
+        return ()
+    return (
+        repr(terms.hold_s),
+        round(terms.max_wait_s * 1000),
+        round(terms.jitter_s * 1000),
+        round(terms.grace_s * 1000),
+    )
+
+
+def _seconds(ms: Any, none: T) -> float | T:
+    """A script's ms as seconds, or `none` for -1."""
+    return none if int(ms) == _NONE else int(ms) / 1000
 
 
 def _text(value: Any) -> str:
@@ -220,9 +275,9 @@ class RedisLedger:
 
     async def reserve(self, claim: Claim) -> Reservation:
         try:
-            outcome, pool_reserved, tenant_reserved, epoch = await self._run(
+            answer = await self._run(
                 "reserve",
-                pool_keys(claim.pool),
+                all_keys(claim.pool),
                 (
                     claim.lease_id,
                     claim.tenant,
@@ -230,6 +285,8 @@ class RedisLedger:
                     claim.pool_limit,
                     claim.tenant_quota,
                     _ms(claim.lease_seconds),
+                    claim.retry_key,
+                    *_terms_args(claim.terms),
                 ),
             )
         except asyncio.CancelledError:
@@ -238,10 +295,33 @@ class RedisLedger:
             sent = self._queue_release(claim.pool, claim.lease_id)
             sent.add_done_callback(partial(self._unawaited_release_sent, claim.lease()))
             raise
+        (
+            outcome,
+            pool_reserved,
+            tenant_reserved,
+            epoch,
+            wait_ms,
+            retry_ms,
+            held,
+            changes_ms,
+            waiting_ms,
+        ) = answer
         self._saw_epoch(claim.pool, epoch)
         result = _OUTCOMES[int(outcome)]
         lease = claim.lease() if result is Outcome.ADMITTED else None
-        return Reservation(result, int(pool_reserved), int(tenant_reserved), lease)
+        wait_s = _seconds(wait_ms, math.inf)
+        retry_after_s = _seconds(retry_ms, None)
+        return Reservation(
+            result,
+            int(pool_reserved),
+            int(tenant_reserved),
+            lease,
+            wait_s,
+            retry_after_s,
+            bool(int(held)),
+            _seconds(changes_ms, math.inf),
+            int(waiting_ms) / 1000,
+        )
 
     async def release(self, lease: Lease) -> None:
         """Returns once a release call carrying this lease has returned; raises
@@ -276,7 +356,7 @@ class RedisLedger:
                 try:
                     for start in range(0, len(ids), LEASES_PER_CALL):
                         chunk = ids[start : start + LEASES_PER_CALL]
-                        await self._run("release", pool_keys(pool)[:4], chunk)
+                        await self._run("release", all_keys(pool), chunk)
                 except Exception as exc:
                     queued.sent.set_exception(exc)
                 else:
@@ -286,7 +366,7 @@ class RedisLedger:
 
     async def renew(self, lease: Lease, lease_seconds: float) -> bool:
         renewed = await self._run(
-            "renew", pool_keys(lease.pool)[:4], (_ms(lease_seconds), lease.lease_id)
+            "renew", all_keys(lease.pool), (_ms(lease_seconds), lease.lease_id)
         )
         return bool(int(renewed[0]))
 
@@ -303,19 +383,23 @@ class RedisLedger:
                 args: list[Any] = [_ms(lease_seconds)]
                 for lease in held[start : start + LEASES_PER_CALL]:
                     args += [lease.lease_id, lease.tenant, lease.blocks]
-                count, _reserved, epoch = await self._run("reassert", pool_keys(pool), args)
+                count, _reserved, epoch = await self._run("reassert", all_keys(pool), args)
                 added += int(count)
                 # Not a reset to report: this very call has just re-asserted the leases.
                 self._epochs[pool] = _text(epoch)
         return added
 
     async def usage(self, pool: str) -> PoolUsage:
-        reserved, leases, flat = await self._run("usage", pool_keys(pool)[:4], ())
+        reserved, leases, flat, promised, promises, holding = await self._run(
+            "usage", all_keys(pool), ()
+        )
         tenants = {_text(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
-        return PoolUsage(int(reserved), int(leases), tenants)
+        return PoolUsage(
+            int(reserved), int(leases), tenants, int(promised), int(promises), int(holding)
+        )
 
     async def leases(self, pool: str) -> list[LeaseInfo]:
-        now_ms, flat = await self._run("leases", pool_keys(pool)[:4], ())
+        now_ms, flat = await self._run("leases", all_keys(pool), ())
         out = []
         for i in range(0, len(flat), 3):
             lease_id, value, expiry_ms = _text(flat[i]), _text(flat[i + 1]), int(flat[i + 2])

@@ -85,6 +85,9 @@ class Kvguard:
 @asynccontextmanager
 async def kvguard(tmp_path: Path, redis_url: str, mode: str) -> AsyncIterator[Kvguard]:
     config = kvguard_config(blocks=BLOCKS, watermark=WATERMARK, tiers=TIERS)
+    # The load's clients never retry after a 429: a promise would hold their blocks meanwhile
+    # (tests/ledger/test_promises.py covers promises).
+    config["pools"][0]["retry_after_max_seconds"] = 0
     config["ledger"] = {
         "url": redis_url,
         "lease_seconds": 60,

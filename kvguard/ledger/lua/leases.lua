@@ -1,5 +1,5 @@
--- leases: one pool's open leases, after reclaiming expired ones, for operators.
--- KEYS: leases, expiries, tenants, reserved of one pool (see lib.lua), hash-tagged {pool}.
+-- leases: one pool's open leases, after reclaiming expired leases and promises, for operators.
+-- KEYS: all the keys of one pool (see lib.lua), hash-tagged {pool}.
 -- ARGV: none.
 -- Returns {now (ms of Redis TIME), {lease id, "<blocks>:<tenant>", expiry (ms), ...}}.
 --#include lib.lua

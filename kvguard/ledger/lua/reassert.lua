@@ -5,7 +5,7 @@
 -- say, and the ledger must count it. A held lease sent with more blocks than it counts grows to
 -- them (pool and tenant reserved rise by the difference), also without checks; one sent with
 -- fewer keeps its count: counted blocks never shrink.
--- KEYS: leases, expiries, tenants, reserved, epoch of one pool (see lib.lua), hash-tagged {pool}.
+-- KEYS: all the keys of one pool (see lib.lua), hash-tagged {pool}.
 -- ARGV[1] lease time (ms); then one triple per lease: ARGV[2+3i] lease id, ARGV[3+3i] tenant,
 --   ARGV[4+3i] blocks.
 -- Returns {leases recorded again, pool reserved (blocks) after this step, epoch}.

@@ -1,6 +1,6 @@
--- renew: extend live leases of one pool, after reclaiming expired ones (an expired lease is
--- gone, as in the memory ledger). One call renews any number of leases.
--- KEYS: leases, expiries, tenants, reserved of one pool (see lib.lua), hash-tagged {pool}.
+-- renew: extend live leases of one pool, after reclaiming expired leases and promises (an
+-- expired lease is gone, as in the memory ledger). One call renews any number of leases.
+-- KEYS: all the keys of one pool (see lib.lua), hash-tagged {pool}.
 -- ARGV[1] lease time (ms); ARGV[2..n] lease ids.
 -- Returns one integer per lease id, in order: 1 renewed (expiry = now + lease time), 0 gone.
 --#include lib.lua

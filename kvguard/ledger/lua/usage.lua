@@ -1,8 +1,17 @@
--- usage: what one pool holds, after reclaiming expired leases, read in one atomic step.
--- KEYS: leases, expiries, tenants, reserved of one pool (see lib.lua), hash-tagged {pool}.
+-- usage: what one pool holds, after reclaiming expired leases and promises (and starting to hold
+-- the promises due to), read in one atomic step.
+-- KEYS: all the keys of one pool (see lib.lua), hash-tagged {pool}.
 -- ARGV: none.
--- Returns {pool reserved (blocks), number of leases, {tenant1, blocks1, tenant2, blocks2, ...}}.
+-- Returns {pool reserved (blocks), number of leases, {tenant1, blocks1, tenant2, blocks2, ...},
+--   blocks promised (not in reserved), number of promises, of the promised blocks those held}.
 --#include lib.lua
 
 reclaim(now_ms())
-return {pool_reserved(), redis.call('HLEN', KEYS[1]), redis.call('HGETALL', KEYS[3])}
+return {
+  pool_reserved(),
+  redis.call('HLEN', KEYS[1]),
+  redis.call('HGETALL', KEYS[3]),
+  pool_promised(),
+  redis.call('HLEN', KEYS[6]),
+  pool_holding(),
+}
