@@ -42,20 +42,23 @@ _TOKEN = re.compile(r"[0-9a-f]{32}")
 
 class HoldTimes:
     """Seconds a reserved block stays reserved, per pool: what the promises' drain rate
-    reads."""
+    reads. It starts from DEFAULT_HOLD_S, counted as PRIOR_BLOCKS of leases (the first leases
+    to end are the short ones, and alone would make it too short), which fades like any lease
+    as more end."""
 
     def __init__(self) -> None:
         self._sums: dict[str, tuple[float, float]] = {}  # pool -> (blocks x seconds, blocks)
 
     def record(self, pool: str, blocks: int, seconds: float) -> None:
-        weighted, total = self._sums.get(pool, (0.0, 0.0))
+        weighted, total = self._sums.get(pool, _PRIOR)
         self._sums[pool] = (weighted * DECAY + blocks * seconds, total * DECAY + blocks)
 
     def hold_s(self, pool: str) -> float:
-        """The mean, with DEFAULT_HOLD_S counted as PRIOR_BLOCKS of leases: the first leases
-        to end are the short ones, and would make it too short."""
-        weighted, total = self._sums.get(pool, (0.0, 0.0))
-        return (weighted + PRIOR_BLOCKS * DEFAULT_HOLD_S) / (total + PRIOR_BLOCKS)
+        weighted, total = self._sums.get(pool, _PRIOR)
+        return weighted / total
+
+
+_PRIOR = (PRIOR_BLOCKS * DEFAULT_HOLD_S, float(PRIOR_BLOCKS))
 
 
 def retry_key(tenant: str, body: bytes, token: str = "") -> str:
