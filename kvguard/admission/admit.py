@@ -194,7 +194,13 @@ class Admission:
             body = json.dumps({**request.body, **limits.fields}, ensure_ascii=False).encode()
         rate_limit_headers = policy.tenancy.rate_limit_headers
         queue = None if policy.shadow else pool.config.queue
-        reservation = await self._reserve(claim, rate_limit_headers, queue)
+        reservation = await self._reserve(
+            claim,
+            rate_limit_headers,
+            queue,
+            pool.config.watermark,
+            plan.reserved_from != "worst_case",
+        )
         lease = reservation.lease if reservation is not None else None
         metadata = {
             "blocks": str(plan.blocks),
@@ -241,12 +247,17 @@ class Admission:
         )
 
     async def _reserve(
-        self, claim: Claim, rate_limit_headers: bool, queue: QueueSettings | None = None
+        self,
+        claim: Claim,
+        rate_limit_headers: bool,
+        queue: QueueSettings | None = None,
+        watermark: float = 0.0,
+        calibrated: bool = False,
     ) -> Reservation | None:
         """The admitting reservation, or None when the ledger is unreachable and
         `on_unavailable` is allow. Raises the refusal the ledger's answer means."""
         try:
-            reservation = await self._reserve_or_wait(claim, queue)
+            reservation = await self._reserve_or_wait(claim, queue, watermark, calibrated)
         except LedgerUnavailable:
             if self.settings.on_unavailable == "allow":
                 return None
@@ -256,45 +267,69 @@ class Admission:
             raise refused
         return reservation
 
-    async def _reserve_or_wait(self, claim: Claim, queue: QueueSettings | None) -> Reservation:
+    async def _reserve_or_wait(
+        self, claim: Claim, queue: QueueSettings | None, watermark: float, calibrated: bool
+    ) -> Reservation:
         """Reserve `claim`, waiting when that may still admit it: a promised retry for the
         rest of its held blocks, and in a pool with a queue, a request refused for the quota
         or the watermark (promised nothing meanwhile). The answer of a claim that waited in
-        vain comes from one last try: with the claim's terms after a queue's wait, told when
-        with nothing held after a promise's or a full queue."""
-        queued = queue is not None and queue.max_wait_seconds > 0 and self.queue is not None
+        vain comes from one last try under a lease id of its own (an attempt of its wait may
+        still be under way): with the claim's terms after a queue's wait, told when with
+        nothing held after a promise's or a full queue."""
+        possible = claim.blocks <= claim.pool_limit and claim.blocks <= claim.tenant_quota
+        queued = (
+            queue is not None and queue.max_wait_seconds > 0 and possible and self.queue is not None
+        )
         bare = dataclasses.replace(claim, terms=None)
         reservation = await self.ledger.reserve(bare if queued else claim)
         if reservation.outcome is Outcome.ADMITTED or self.queue is None:
             return reservation
+
+        async def attempt() -> Reservation:
+            # The pool's limit as it is now: its capacity or vLLM's unaccounted blocks may
+            # have changed while the request waited.
+            return await self.ledger.reserve(self._current(bare, watermark, calibrated))
+
         last = claim
-        if reservation.waiting_s > 0:
-            waited = await self.queue.wait(
-                claim.pool,
-                claim.tenant,
-                lambda: self.ledger.reserve(bare),
-                reservation.waiting_s,
-                0,
-                promised=True,
-            )
-            last = dataclasses.replace(claim, retry_key="")
-        elif queued:
+        if reservation.waiting_s <= 0 and not queued:
+            return reservation  # refused, with its promise or its time
+        if reservation.waiting_s <= 0:
             assert queue is not None
             try:
                 waited = await self.queue.wait(
-                    claim.pool,
-                    claim.tenant,
-                    lambda: self.ledger.reserve(bare),
-                    queue.max_wait_seconds,
-                    queue.max_queued,
+                    claim.pool, claim.tenant, attempt, queue.max_wait_seconds, queue.max_queued
                 )
             except QueueFull:  # a promise would go before those queued
                 waited, last = None, dataclasses.replace(claim, retry_key="")
-        else:
-            return reservation  # refused, with its promise or its time
+            if waited is not None:
+                return waited
+            reservation = await self.ledger.reserve(self._fresh(last, watermark, calibrated))
+            if reservation.waiting_s <= 0:
+                return reservation
+        # Back at its promise's time, its blocks not all free: wait for them, first in line.
+        waited = await self.queue.wait(
+            claim.pool, claim.tenant, attempt, reservation.waiting_s, 0, promised=True
+        )
         if waited is not None:
             return waited
-        return await self.ledger.reserve(last)
+        told = dataclasses.replace(claim, retry_key="")
+        return await self.ledger.reserve(self._fresh(told, watermark, calibrated))
+
+    def _current(self, claim: Claim, watermark: float, calibrated: bool) -> Claim:
+        """`claim` against its pool's limit as it is now."""
+        capacity = self.capacities.get(claim.pool)
+        if capacity is None:
+            return claim
+        limit = capacity.limit(watermark)
+        if calibrated and self.calibration is not None:
+            limit = max(0, limit - self.calibration.engine.unaccounted(claim.pool))
+        return dataclasses.replace(claim, pool_limit=limit)
+
+    def _fresh(self, claim: Claim, watermark: float, calibrated: bool) -> Claim:
+        """`claim` as now, under a new lease id."""
+        return dataclasses.replace(
+            self._current(claim, watermark, calibrated), lease_id=uuid.uuid4().hex
+        )
 
 
 async def reserve(ledger: Ledger, claim: Claim, *, rate_limit_headers: bool = False) -> Reservation:

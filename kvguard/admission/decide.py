@@ -9,6 +9,7 @@ messages.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from kvguard.admission.calibration import Estimate
@@ -191,7 +192,10 @@ def refusal(
         )
     else:
         return None
-    headers = rate_limit(reservation, claim).headers() if rate_limit_headers else {}
+    standing = rate_limit(reservation, claim)
+    if claim.terms is None:  # nothing measured says when the blocks free
+        standing = replace(standing, reset_s=math.inf)
+    headers = standing.headers() if rate_limit_headers else {}
     if claim.terms is None:
         message = f"{refused.message}; retry later"
         return replace(refused, message=message, retry_after_s=RETRY_AFTER_S, headers=headers)

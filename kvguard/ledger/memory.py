@@ -148,6 +148,24 @@ class _Pool:
     def next_change(self, now: float) -> float:
         """Seconds until a lease or a promise ends, or a promise starts holding, by itself:
         when room may appear without a release (inf when nothing is due)."""
+        # Stale entries (leases renewed or gone, promises made again or ended) are dropped
+        # first, so that nothing wakes for a moment that changes nothing.
+        while self.expiries and (
+            (entry := self.leases.get(self.expiries[0][1])) is None
+            or entry[1] != self.expiries[0][0]
+        ):
+            heapq.heappop(self.expiries)
+        while self.promise_holds and (
+            (promise := self.promises.get(self.promise_holds[0][1])) is None
+            or promise.holding
+            or promise.hold_at != self.promise_holds[0][0]
+        ):
+            heapq.heappop(self.promise_holds)
+        while self.promise_expiries and (
+            (promise := self.promises.get(self.promise_expiries[0][1])) is None
+            or promise.expiry != self.promise_expiries[0][0]
+        ):
+            heapq.heappop(self.promise_expiries)
         due = [heap[0][0] for heap in (self.expiries, self.promise_holds, self.promise_expiries)
                if heap]  # fmt: skip
         return max(0.0, min(due) - now) if due else math.inf
@@ -229,10 +247,29 @@ class MemoryLedger:
             tenant_now = pool.tenants.get(claim.tenant, 0)
             if held is not None:  # a retried call: admitted once, counted once
                 return Reservation(Outcome.ADMITTED, pool.reserved, tenant_now, held[0])
+            if claim.blocks > claim.tenant_quota or claim.blocks > claim.pool_limit:
+                # Impossible whatever else is reserved: no promise is looked at or made.
+                impossible = (
+                    Outcome.TENANT_QUOTA
+                    if claim.blocks > claim.tenant_quota
+                    else Outcome.POOL_WATERMARK
+                )
+                never = math.inf if claim.terms is not None else 0.0
+                return Reservation(
+                    impossible,
+                    pool.reserved,
+                    tenant_now,
+                    None,
+                    never,
+                    None,
+                    False,
+                    pool.next_change(now),
+                )
             key = claim.retry_key
             own = pool.promises.get(key) if key else None
             if own is not None and own.tenant == claim.tenant:
-                pool.came_back(own)
+                if own.retry_at <= now:  # before it, the same body may be another client's
+                    pool.came_back(own)
                 ahead = pool.promised_before(key, claim.tenant)
             else:
                 if own is not None:  # another tenant's promise: its key is not this claim's

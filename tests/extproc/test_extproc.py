@@ -3,6 +3,7 @@ to a kvguard service running in this process (memory ledger, real Qwen tokenizer
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import json
@@ -16,6 +17,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingResponse
 from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvguard.admission.capacity import PoolCapacity
 from kvguard.app import Service
 from kvguard.testing.wait import wait_until
 from tests.extproc.harness import (
@@ -478,3 +480,29 @@ async def test_api_keys_map_to_tenants_by_their_hash_and_ignore_the_tenant_heade
         assert refusal(refused)[0] == 401
         _, (no_key,) = await exchange(stub, headers("/v1/chat/completions", tenant="acme"))
         assert refusal(no_key)[0] == 401
+
+
+async def test_a_queued_request_waits_against_the_pools_limit_as_it_is_now(
+    tmp_path: Path,
+) -> None:
+    """A request queued for the watermark is admitted when the pool's capacity grows: each
+    try reads the limit of the moment, not the one it arrived with."""
+    queue = {"queue": {"max_wait_seconds": 20}}
+    async with running(tmp_path, blocks=100, watermark=0.5, pool=queue) as (service, stub):
+        calls = []
+        for i in range(16):  # 48 of the limit of 50 blocks, 3 a request
+            call, _ = await exchange(
+                stub, headers("/v1/chat/completions", tenant=f"t{i % 2}"), body(CHAT)
+            )
+            calls.append(call)
+        waiting = asyncio.ensure_future(
+            exchange(stub, headers("/v1/chat/completions", tenant="u"), body({**CHAT, "user": "u"}))
+        )
+        await wait_until(lambda: service.queue.queued("qwen") == 1, "the request to queue")
+        service.capacities.set("qwen", PoolCapacity(200, 16))  # limit 100; wakes the queue
+        call, (_, answer) = await asyncio.wait_for(waiting, 10)
+        assert answer.WhichOneof("response") == "request_body"
+        assert await reserved(service) == 51
+        for each in [*calls, call]:
+            await each.done_writing()
+        await wait_until(lambda: _is_zero(service), "every lease to be released")

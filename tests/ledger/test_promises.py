@@ -259,13 +259,21 @@ async def test_a_tenant_has_at_most_its_budget_of_promises_open(ledger: Ledger) 
     assert (fifth.promised, fifth.retry_after_s is not None, other.promised) == (False, True, True)
 
 
-async def test_a_client_that_comes_back_doubles_its_tenants_budget(ledger: Ledger) -> None:
+async def test_a_client_that_comes_back_doubles_its_tenants_budget(
+    ledger: Ledger, clock: LedgerClock
+) -> None:
     await fill(ledger)
-    slow = replace(TERMS, hold_s=1.0, max_wait_s=300.0)
+    slow = replace(TERMS, hold_s=1.0, jitter_s=0.0, max_wait_s=300.0)
+    t0 = await clock.now()
     for i in range(4):
         await ledger.reserve(promised(str(i), 5, f"k{i}", terms=slow))
-    back = await ledger.reserve(promised("0b", 5, "k0", terms=slow))  # early: keeps its time
-    assert back.promised
+    # Before its time the same body may be another client's: it does not count.
+    early = await ledger.reserve(promised("0a", 5, "k0", terms=slow))
+    assert early.promised
+    assert not (await ledger.reserve(promised("x", 5, "kx", terms=slow))).promised
+    await clock.reach(t0 + fit(5, 100, 5) + EXACT)
+    back = await ledger.reserve(promised("0b", 5, "k0", terms=slow))  # at its time
+    assert back.waiting_s > 0
     more = [await ledger.reserve(promised(str(i), 5, f"k{i}", terms=slow)) for i in range(4, 9)]
     assert [r.promised for r in more] == [True] * 4 + [False]  # 8 open at most now
 
@@ -298,7 +306,8 @@ async def test_a_client_that_came_back_leaves_no_such_mark(
     for i in range(4):
         await ledger.reserve(promised(str(i), 5, f"k{i}", terms=fast))
     ends = fit(20, 100, 5) + 0.3  # the last of the four
-    for i in range(4):  # each back in time, none finding room
+    await clock.reach(t0 + fit(20, 100, 5) + EXACT)
+    for i in range(4):  # each back at its time, none finding room
         await ledger.reserve(promised(f"{i}b", 5, f"k{i}", terms=fast))
     await clock.reach(t0 + ends + MARGIN_S)
     assert (await ledger.usage("p")).promises == 0

@@ -94,7 +94,11 @@ if own and own.tenant ~= tenant then
 end
 local pool_all, pool_held, tenant_all, tenant_held
 if own then
-  came_back(key, own)
+  -- Back at its time or after: a client that retried. Before it, the same body may be
+  -- another client's: it does not count as one coming back.
+  if own.retry_at <= now then
+    came_back(key, own)
+  end
   pool_all, pool_held, tenant_all, tenant_held = promised_before(key, tenant)
 else
   pool_all, pool_held = pool_promised(), pool_holding()
