@@ -45,8 +45,9 @@ log = logging.getLogger(__name__)
 KVGUARD_HEADER_PREFIX = "x-kvguard-"
 # Envoy waits message_timeout (200 ms) for each answer. A decision still running after
 # SLOW_DECISION_S (a large prompt queued for counting, a request queued for blocks) asks Envoy,
-# once, to wait up to COUNTING_BUDGET_S plus the longest queue wait of the policy's pools;
-# Envoy holds no more than its max_message_timeout (the shipped configurations: 35 s).
+# once, to wait up to COUNTING_BUDGET_S plus the longest queue wait of the policy's pools.
+# Envoy ignores (does not cap) a wait above its max_message_timeout, and then answers 504 at
+# message_timeout: the shipped configurations hold 35 s, what the configuration allows.
 SLOW_DECISION_S = 0.1
 
 
