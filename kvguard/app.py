@@ -76,6 +76,7 @@ class Service:
         )
         self.capacities.subscribe(self.queue.notify)
         self.capacities.subscribe(lambda: self.health.set("capacity", self.capacities.any_known()))
+        self._started = False  # from start() on, each policy's pools are subscribed to
         self.publish(policies.build(config, self._tokenizers))
         # Pools with capacity.endpoints: read from vLLM's /metrics, refreshed (see start()), which
         # also teaches what their requests produce.
@@ -109,6 +110,9 @@ class Service:
             open_leases=lambda: self.keeper.snapshot(),
             on_error=self.metrics.record_ledger_error,
         )
+        if isinstance(self.ledger, ResilientLedger):
+            # Releases by the other replicas, through Redis (this process's come from the keeper).
+            self.ledger.on_freed = self.queue.notify
         self.counter = PromptCounter()
         self.keeper = LeaseKeeper(
             self.ledger,
@@ -162,6 +166,8 @@ class Service:
             if pool.static_capacity is not None:
                 self.capacities.set(pool.name, pool.static_capacity)
         self.queue.notify()  # a quota or a limit may have grown
+        if self._started and isinstance(self.ledger, ResilientLedger):
+            self.ledger.subscribe(policy.pools)  # its pools may differ
 
     def _load(self, path: Path) -> policies.Policy:
         """Read and build a changed configuration (in a worker thread)."""
@@ -176,6 +182,8 @@ class Service:
     async def start(self) -> None:
         if isinstance(self.ledger, ResilientLedger):
             await self.ledger.start()  # registers the scripts; an unreachable Redis: not ready
+            self.ledger.subscribe(self.policy.pools)
+        self._started = True
         await self.grpc.start()
         host = self.config.server.grpc_listen.rsplit(":", 1)[0]
         log.info(

@@ -33,6 +33,9 @@ class _Promise:
     expiry: float  # retry_at + grace: the blocks are held until then
     returned: bool = False  # its client came back at least once
     holding: bool = False  # hold_at has passed: its blocks count against other claims
+    # Refused for the pool (not only its tenant's quota): its blocks count in the pool's sums
+    # too. A quota's promise holds only its tenant's quota: other tenants may use the pool.
+    pool_bound: bool = True
 
 
 @dataclass
@@ -117,7 +120,7 @@ class _Pool:
             if promise is not None and promise.hold_at == hold_at and not promise.holding:
                 promise.holding = True
                 _add(self.holding_tenants, promise.tenant, promise.blocks)
-                self.holding += promise.blocks
+                self.holding += promise.blocks if promise.pool_bound else 0
         while self.promise_expiries and self.promise_expiries[0][0] <= now:
             expiry, key = heapq.heappop(self.promise_expiries)
             promise = self.promises.get(key)
@@ -182,11 +185,12 @@ class _Pool:
                 promise.expiry,
             )
             held.returned, held.holding = promise.returned, False
+            held.pool_bound = promise.pool_bound
             promise = held
         self.promises[key] = promise
         _add(self.promised_tenants, promise.tenant, promise.blocks)
         _add(self.promise_counts, promise.tenant, 1)
-        self.promised += promise.blocks
+        self.promised += promise.blocks if promise.pool_bound else 0
         heapq.heappush(self.promise_holds, (promise.hold_at, key))
         heapq.heappush(self.promise_expiries, (promise.expiry, key))
 
@@ -198,21 +202,22 @@ class _Pool:
     def _uncount(self, promise: _Promise) -> None:
         _add(self.promised_tenants, promise.tenant, -promise.blocks)
         _add(self.promise_counts, promise.tenant, -1)
-        self.promised -= promise.blocks
+        self.promised -= promise.blocks if promise.pool_bound else 0
         if promise.holding:
             _add(self.holding_tenants, promise.tenant, -promise.blocks)
-            self.holding -= promise.blocks
+            self.holding -= promise.blocks if promise.pool_bound else 0
 
     def promised_before(self, key: str, tenant: str) -> tuple[int, int, int, int]:
-        """Blocks promised before `key`'s promise: in the pool, in the pool and holding, to
-        `tenant`, to `tenant` and holding. A retry comes back near its time, when the
-        promises before it are mostly taken: a short walk."""
+        """Blocks promised before `key`'s promise: in the pool (the pool's promises), in the
+        pool and holding, to `tenant`, to `tenant` and holding. A retry comes back near its
+        time, when the promises before it are mostly taken: a short walk."""
         pool = pool_holding = own = own_holding = 0
         for other, promise in self.promises.items():
             if other == key:
                 break
             held = promise.blocks if promise.holding else 0
-            pool, pool_holding = pool + promise.blocks, pool_holding + held
+            if promise.pool_bound:
+                pool, pool_holding = pool + promise.blocks, pool_holding + held
             if promise.tenant == tenant:
                 own, own_holding = own + promise.blocks, own_holding + held
         return pool, pool_holding, own, own_holding
@@ -371,6 +376,7 @@ class MemoryLedger:
             retry_at,
             retry_at + terms.grace_s,
             returned=own is not None,
+            pool_bound=over_limit > 0,
         )
         pool.promise(key, promise)
         return wait_s, retry_at - now, True

@@ -25,6 +25,8 @@
 - While reachable, the watcher checks each pool's epoch every `heartbeat_s`: it notices a Redis
   that restarted between two requests (no error seen) and re-asserts that pool's leases; an
   idle process also notices an outage within `heartbeat_s`, so readiness follows Redis.
+- `on_freed` and `subscribe` are the primary's: releases by every replica, through Redis
+  pub/sub (the local ledger's releases are this process's own).
 """
 
 from __future__ import annotations
@@ -205,6 +207,19 @@ class ResilientLedger:
         if self._local is None:
             raise LedgerUnavailable("the Redis ledger cannot be reached")
         return await self._local.leases(pool)
+
+    @property
+    def on_freed(self) -> Callable[[str], None] | None:
+        """Called with a pool when blocks of it were freed (RedisLedger.on_freed)."""
+        return self.primary.on_freed
+
+    @on_freed.setter
+    def on_freed(self, callback: Callable[[str], None] | None) -> None:
+        self.primary.on_freed = callback
+
+    def subscribe(self, pools: Iterable[str]) -> None:
+        """Call `on_freed` for the blocks freed in `pools` (RedisLedger.subscribe)."""
+        self.primary.subscribe(pools)
 
     async def start(self) -> None:
         """Reach Redis once (registering the scripts) and start watching it."""

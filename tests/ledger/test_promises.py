@@ -154,10 +154,12 @@ async def test_the_quota_drains_at_the_tenants_rate(ledger: Ledger) -> None:
     assert refused.outcome is Outcome.TENANT_QUOTA
     # The tenant's 60 blocks free 6 a second (held 10 s each), not the pool's.
     assert refused.wait_s == pytest.approx(fit(30, 6, 30), abs=EXACT)
-    # Its promise holds its tenant's quota too, not only the pool's blocks.
+    # Its promise holds its tenant's quota, and none of the pool: other tenants may fill it.
     await ledger.release(claim("1", 60).lease())
     assert (await ledger.reserve(claim("3", 31))).outcome is Outcome.TENANT_QUOTA
-    assert (await ledger.reserve(claim("4", 30, tenant="b"))).outcome is Outcome.ADMITTED
+    assert (await ledger.reserve(claim("4", 100, tenant="b", quota=100))).outcome is (
+        Outcome.ADMITTED
+    )
 
 
 async def test_a_retry_back_early_keeps_its_time(ledger: Ledger, clock: LedgerClock) -> None:

@@ -9,9 +9,11 @@
 --                     restarted empty (or was flushed) has none, so processes can tell that
 --                     they must re-assert their open leases.
 -- and the promises made to refused claims, and how fast the pool frees blocks:
---   KEYS[6]  promises:         hash, retry key -> "<blocks>:<retry at ms>:<expiry ms>:<holding>:
---                              <returned>:<tenant>", holding 1 when its blocks count against
---                              other claims, returned 1 once its client came back
+--   KEYS[6]  promises:         hash, retry key -> "<blocks>:<retry at ms>:<expiry ms>:<holding>
+--                              <pool>:<returned>:<tenant>", holding 1 when its blocks count
+--                              against other claims, pool 1 when the pool's sums count them
+--                              (refused for the pool; a quota's promise holds its tenant's
+--                              quota alone), returned 1 once its client came back
 --   KEYS[7]  promise order:    sorted set, retry key -> sequence number of its first promise
 --   KEYS[8]  promise sequence: string, the last sequence number given (INCR)
 --   KEYS[9]  promise expiries: sorted set, retry key -> expiry (retry at + grace) in ms
@@ -114,6 +116,16 @@ local function drained(value, blocks, now)
   return string.format('%.17g:%.17g:%d', sum + blocks, releases + 1, now)
 end
 
+-- Tell every kvguard process subscribed to the pool that `blocks` were freed (none: nothing is
+-- sent): a sharded pub/sub message, the blocks, on kvguard:{pool}:freed, the channel of the
+-- pool's hash tag and so of its Redis Cluster slot (kvguard.ledger.redis_ledger.freed_channel).
+local function publish_freed(blocks)
+  if blocks > 0 then
+    -- KEYS[1] is kvguard:{pool}:leases.
+    redis.call('SPUBLISH', string.sub(KEYS[1], 1, -#':leases' - 1) .. ':freed', blocks)
+  end
+end
+
 -- Remove one lease and give its blocks back, counting them as freed at `now`; returns the
 -- blocks (0 for an unknown lease).
 local function drop(lease_id, now)
@@ -172,11 +184,11 @@ end
 
 -- Move a pool counter (string `total`) and a tenant's counter (hash `by_tenant`) by `change`,
 -- deleting what reaches 0.
-local function add(total, by_tenant, tenant, change)
+local function add(total, by_tenant, tenant, change, pool_too)
   if redis.call('HINCRBY', by_tenant, tenant, change) <= 0 then
     redis.call('HDEL', by_tenant, tenant)
   end
-  if redis.call('INCRBY', total, change) <= 0 then
+  if pool_too ~= false and redis.call('INCRBY', total, change) <= 0 then
     redis.call('DEL', total)
   end
 end
@@ -190,11 +202,13 @@ local function parse_promise(value)
     fields[#fields + 1] = string.sub(value, start, sep - 1)
     start = sep + 1
   end
+  -- The fourth field: holding, then whether the pool's sums count it (absent: they do).
   return {
     blocks = tonumber(fields[1]),
     retry_at = tonumber(fields[2]),
     expiry = tonumber(fields[3]),
-    holding = fields[4] == '1',
+    holding = string.sub(fields[4], 1, 1) == '1',
+    pool_bound = string.sub(fields[4], 2, 2) ~= '0',
     returned = fields[5] == '1',
     tenant = string.sub(value, start),
   }
@@ -202,7 +216,8 @@ end
 
 local function store_promise(key, p)
   local value = p.blocks .. ':' .. p.retry_at .. ':' .. p.expiry .. ':'
-    .. (p.holding and '1' or '0') .. ':' .. (p.returned and '1' or '0') .. ':' .. p.tenant
+    .. (p.holding and '1' or '0') .. (p.pool_bound and '1' or '0') .. ':'
+    .. (p.returned and '1' or '0') .. ':' .. p.tenant
   redis.call('HSET', KEYS[6], key, value)
 end
 
@@ -214,29 +229,31 @@ end
 
 -- Take `p`'s blocks out of the promised counters (and the holding ones, if it holds).
 local function uncount(p)
-  add(KEYS[10], KEYS[11], p.tenant, -p.blocks)
+  add(KEYS[10], KEYS[11], p.tenant, -p.blocks, p.pool_bound)
   if redis.call('HINCRBY', KEYS[17], p.tenant, -1) <= 0 then
     redis.call('HDEL', KEYS[17], p.tenant)
   end
   if p.holding then
-    add(KEYS[13], KEYS[14], p.tenant, -p.blocks)
+    add(KEYS[13], KEYS[14], p.tenant, -p.blocks, p.pool_bound)
   end
 end
 
--- Record a promise under a key that holds none (no checks), not holding until `hold_at`.
-local function promise(key, tenant, blocks, hold_at, retry_at, expiry)
+-- Record a promise under a key that holds none (no checks), not holding until `hold_at`;
+-- `pool_bound`: refused for the pool, so the pool's sums count it (a quota's holds the quota).
+local function promise(key, tenant, blocks, hold_at, retry_at, expiry, pool_bound)
   redis.call('ZADD', KEYS[7], redis.call('INCR', KEYS[8]), key)
   store_promise(key, {
     blocks = blocks,
     retry_at = retry_at,
     expiry = expiry,
     holding = false,
+    pool_bound = pool_bound,
     returned = false,
     tenant = tenant,
   })
   redis.call('ZADD', KEYS[12], hold_at, key)
   redis.call('ZADD', KEYS[9], expiry, key)
-  add(KEYS[10], KEYS[11], tenant, blocks)
+  add(KEYS[10], KEYS[11], tenant, blocks, pool_bound)
   redis.call('HINCRBY', KEYS[17], tenant, 1)
 end
 
@@ -296,7 +313,9 @@ local function promised_before(key, tenant)
         if value then
           local p = parse_promise(value)
           local held = p.holding and p.blocks or 0
-          pool, pool_holding = pool + p.blocks, pool_holding + held
+          if p.pool_bound then
+            pool, pool_holding = pool + p.blocks, pool_holding + held
+          end
           if p.tenant == tenant then
             own, own_holding = own + p.blocks, own_holding + held
           end
@@ -310,15 +329,16 @@ end
 
 -- Start holding the promises whose hold time is at or before `now`, and end those whose grace
 -- has ended; a tenant whose ended promise never saw its client back has its budget halved, and
--- at 0 is marked unreturned at that promise's expiry.
+-- at 0 is marked unreturned at that promise's expiry. Returns the blocks of the ended promises.
 local function reclaim_promises(now)
+  local freed_blocks = 0
   local due = redis.call('ZRANGEBYSCORE', KEYS[12], '-inf', now, 'LIMIT', 0, RECLAIM_BATCH)
   for _, key in ipairs(due) do
     local p = held_promise(key)
     if p and not p.holding then
       p.holding = true
       store_promise(key, p)
-      add(KEYS[13], KEYS[14], p.tenant, p.blocks)
+      add(KEYS[13], KEYS[14], p.tenant, p.blocks, p.pool_bound)
     end
     redis.call('ZREM', KEYS[12], key)
   end
@@ -334,7 +354,11 @@ local function reclaim_promises(now)
     end
     unpromise(key)
     redis.call('ZREM', KEYS[9], key) -- as for leases
+    if p then
+      freed_blocks = freed_blocks + p.blocks
+    end
   end
+  return freed_blocks
 end
 
 -- Note when the ledger first saw the pool.
@@ -343,15 +367,16 @@ local function saw_pool(now)
 end
 
 -- Reclaim leases whose expiry is at or before `now` (the memory ledger's rule too), and
--- promises (reclaim_promises).
+-- promises (reclaim_promises); the blocks they free are published (publish_freed).
 local function reclaim(now)
   saw_pool(now)
+  local freed_blocks = 0
   local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, RECLAIM_BATCH)
   for _, lease_id in ipairs(expired) do
-    drop(lease_id, now)
+    freed_blocks = freed_blocks + drop(lease_id, now)
     redis.call('ZREM', KEYS[2], lease_id) -- an expiry without a lease (never left, but be sure)
   end
-  reclaim_promises(now)
+  publish_freed(freed_blocks + reclaim_promises(now))
 end
 
 -- Ms from `now` until a lease or a promise ends, or a promise starts holding, by itself: when
