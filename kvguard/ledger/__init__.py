@@ -15,8 +15,9 @@ A refused claim that carries `Terms` and a `retry_key` may be promised a slot (d
 made before it. Its blocks are held from when the drain is expected to have freed what is ahead
 of it until the slot's grace ends: they then count against every other claim (but not against
 the promises made before it), and the retry with the same key and tenant takes them. A claim
-refused for its tenant's quota alone holds only that quota (the pool's other tenants are not
-kept from the pool); one refused for the pool holds the pool's blocks too. A tenant
+whose tenant is over its quota holds only that quota (it waits for its tenant's own leases,
+whose end frees the pool too; the pool's other tenants are not kept from it); one refused for
+the pool alone holds the pool's blocks too. A tenant
 has at most PROMISE_BUDGET promises open, doubled each time a promised client comes back and
 halved each time one does not; past it, or at 0 until `max_wait_s` after that, a refusal is
 told the time, with nothing held.

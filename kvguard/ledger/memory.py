@@ -33,7 +33,7 @@ class _Promise:
     expiry: float  # retry_at + grace: the blocks are held until then
     returned: bool = False  # its client came back at least once
     holding: bool = False  # hold_at has passed: its blocks count against other claims
-    # Refused for the pool (not only its tenant's quota): its blocks count in the pool's sums
+    # Refused for the pool, its tenant within its quota: its blocks count in the pool's sums
     # too. A quota's promise holds only its tenant's quota: other tenants may use the pool.
     pool_bound: bool = True
 
@@ -376,7 +376,8 @@ class MemoryLedger:
             retry_at,
             retry_at + terms.grace_s,
             returned=own is not None,
-            pool_bound=over_limit > 0,
+            # A tenant over its quota waits for its own leases, whose end frees the pool too.
+            pool_bound=over_quota <= 0 < over_limit,
         )
         pool.promise(key, promise)
         return wait_s, retry_at - now, True

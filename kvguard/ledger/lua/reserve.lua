@@ -153,7 +153,8 @@ if outcome ~= 0 then
     fit_s(math.min(over_limit, blocks), by_limit)
   )
   local hold_at = now + math.max(0, wait - ms(own_s))
-  promise(key, tenant, blocks, hold_at, retry_at, retry_at + terms.grace, over_limit > 0)
+  promise(key, tenant, blocks, hold_at, retry_at, retry_at + terms.grace,
+    over_quota <= 0 and over_limit > 0)
   return refused(wait, retry_at - now, 1, 0)
 end
 if own then
