@@ -147,7 +147,9 @@ class Service:
             sample=response_sample,
             on_completion=self._learn,
         )
-        admin = AdminService(lambda: self.policy, self.ledger, self.capacities, self.keeper)
+        admin = AdminService(
+            lambda: self.policy, self.ledger, self.capacities, self.keeper, self.queue.notify
+        )
         self.grpc = GrpcServer(
             config.server.grpc_listen,
             processor,

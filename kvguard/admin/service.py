@@ -27,11 +27,13 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         ledger: Ledger,
         capacities: Capacities,
         keeper: LeaseKeeper,
+        on_released: Callable[[str], None] = lambda _pool: None,
     ) -> None:
         self._policy = policy
         self._ledger = ledger
         self._capacities = capacities
         self._keeper = keeper
+        self._on_released = on_released  # blocks were freed: the pool's queue may go on
 
     def add_to(self, server: grpc.aio.Server) -> None:
         """Serve this API on `server` (beside ext_proc, on the same port)."""
@@ -84,6 +86,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
             # Held by an open stream of this process: its renewals would record it again.
             self._keeper.forget(lease.lease_id)
             await self._ledger.release(lease)
+            self._on_released(lease.pool)
             log.warning(
                 "admin released lease %s in pool %s (%d blocks of tenant %s)",
                 lease.lease_id,

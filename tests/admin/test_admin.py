@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import grpc
 import pytest
 
+from kvguard.testing.wait import wait_until
 from kvguard.v1 import admin_pb2, admin_pb2_grpc
 from tests.extproc.harness import body, exchange, headers, reserved, running, set_headers
 
@@ -61,3 +63,30 @@ async def test_admin_api_is_off_unless_enabled(tmp_path: Path) -> None:
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await admin.GetUsage(admin_pb2.GetUsageRequest())
             assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+async def test_a_lease_released_by_an_operator_admits_a_queued_request(tmp_path: Path) -> None:
+    queue = {"queue": {"max_wait_seconds": 20}}
+    async with running(tmp_path, admin=True, blocks=100, watermark=0.5, pool=queue) as (
+        service,
+        stub,
+    ):
+        calls, leases = [], []
+        for i in range(16):  # 48 of the pool's limit of 50 blocks, 3 a request
+            call, (_, answer) = await exchange(
+                stub, headers("/v1/chat/completions", tenant=f"t{i % 2}"), body(CHAT)
+            )
+            calls.append(call)
+            leases.append(set_headers(answer.request_body.response)["x-kvguard-lease"])
+        waiting = asyncio.ensure_future(
+            exchange(stub, headers("/v1/chat/completions", tenant="u"), body({**CHAT, "user": "u"}))
+        )
+        await wait_until(lambda: service.queue.queued("qwen") == 1, "the request to queue")
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{service.grpc.port}") as channel:
+            admin = admin_pb2_grpc.AdminServiceStub(channel)
+            request = admin_pb2.ReleaseLeaseRequest(pool="qwen", lease_id=leases[0])
+            assert (await admin.ReleaseLease(request)).released
+        call, (_, answer) = await asyncio.wait_for(waiting, 10)
+        assert answer.WhichOneof("response") == "request_body"
+        for each in [*calls, call]:
+            await each.done_writing()
