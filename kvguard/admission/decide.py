@@ -163,11 +163,11 @@ def claim(
 
 def rate_limit(reservation: Reservation, claim: Claim) -> RateLimit:
     """Where the claim's tenant stands after the ledger's answer: its quota, the blocks it
-    could reserve now (within its quota and the pool's limit), and for a refusal the seconds
-    until its blocks are expected free."""
+    could reserve now (within its quota and the pool's limit, beside the blocks held for
+    promised retries), and for a refusal the seconds until its blocks are expected free."""
     remaining = min(
-        claim.tenant_quota - reservation.tenant_reserved,
-        claim.pool_limit - reservation.pool_reserved,
+        claim.tenant_quota - reservation.tenant_reserved - reservation.tenant_holding,
+        claim.pool_limit - reservation.pool_reserved - reservation.pool_holding,
     )
     return RateLimit(claim.tenant_quota, remaining, reservation.wait_s)
 

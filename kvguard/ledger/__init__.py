@@ -107,6 +107,9 @@ class Reservation:
     # Refused, back at its promise's time with its blocks not all free yet: how long they stay
     # held for it (the caller may wait that long for them); 0 otherwise.
     waiting_s: float = 0.0
+    # Blocks held for promised retries that this claim counted, in the pool and its tenant's.
+    pool_holding: int = 0
+    tenant_holding: int = 0
 
 
 @dataclass(frozen=True, slots=True)

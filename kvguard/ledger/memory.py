@@ -304,6 +304,8 @@ class MemoryLedger:
                     True,
                     pool.next_change(now),
                     own.expiry - now,
+                    pool_holding,
+                    tenant_holding,
                 )
             if outcome is not Outcome.ADMITTED:
                 over_quota = tenant_now + tenant_all + claim.blocks - claim.tenant_quota
@@ -320,6 +322,9 @@ class MemoryLedger:
                     retry_after_s,
                     held_for,
                     pool.next_change(now),
+                    0.0,
+                    pool_holding,
+                    tenant_holding,
                 )
             if own is not None:
                 pool.unpromise(key)
@@ -329,7 +334,14 @@ class MemoryLedger:
             heapq.heappush(pool.expiries, (expiry, lease.lease_id))
             pool.reserved += claim.blocks
             pool.tenants[claim.tenant] = tenant_now + claim.blocks
-            return Reservation(Outcome.ADMITTED, pool.reserved, tenant_now + claim.blocks, lease)
+            return Reservation(
+                Outcome.ADMITTED,
+                pool.reserved,
+                tenant_now + claim.blocks,
+                lease,
+                pool_holding=pool_holding,
+                tenant_holding=tenant_holding,
+            )
 
     @staticmethod
     def _promise(

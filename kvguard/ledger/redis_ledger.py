@@ -355,6 +355,8 @@ class RedisLedger:
             held,
             changes_ms,
             waiting_ms,
+            pool_holding,
+            tenant_holding,
         ) = answer
         self._saw_epoch(claim.pool, epoch)
         result = _OUTCOMES[int(outcome)]
@@ -371,6 +373,8 @@ class RedisLedger:
             bool(int(held)),
             _seconds(changes_ms, math.inf),
             int(waiting_ms) / 1000,
+            int(pool_holding),
+            int(tenant_holding),
         )
 
     async def release(self, lease: Lease) -> None:

@@ -174,6 +174,9 @@ def test_rate_limit_headers_say_where_the_tenant_stands() -> None:
     assert refusal.headers["ratelimit"] == '"kv";r=10;t=3'
     admitted = Reservation(Outcome.ADMITTED, 500, 20)
     assert decide.rate_limit(admitted, CLAIM).headers()["ratelimit"] == '"kv";r=80;t=0'
+    # Blocks held for promised retries are not the tenant's to reserve.
+    beside_held = Reservation(Outcome.ADMITTED, 500, 20, pool_holding=340, tenant_holding=5)
+    assert decide.rate_limit(beside_held, CLAIM).headers()["ratelimit"] == '"kv";r=10;t=0'
     unknown = answer(Outcome.POOL_WATERMARK, float("inf"))
     assert decide.rate_limit(unknown, CLAIM).headers()["ratelimit"] == '"kv";r=10'
 

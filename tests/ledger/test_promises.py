@@ -69,9 +69,15 @@ async def test_promised_blocks_are_held_against_fresh_claims(ledger: Ledger) -> 
     await fill(ledger)
     await ledger.reserve(promised("1", 20, "k1"))
     await ledger.release(claim("y", 50, tenant="y").lease())
-    # 50 reserved + 20 held: 30 left for anyone else.
-    assert (await ledger.reserve(claim("2", 31, tenant="b"))).outcome is Outcome.POOL_WATERMARK
-    assert (await ledger.reserve(claim("3", 30, tenant="b"))).outcome is Outcome.ADMITTED
+    # 50 reserved + 20 held: 30 left for anyone else; each answer says what it counted held.
+    refused = await ledger.reserve(claim("2", 31, tenant="b"))
+    admitted = await ledger.reserve(claim("3", 30, tenant="b"))
+    assert (refused.outcome, refused.pool_holding, refused.tenant_holding) == (
+        Outcome.POOL_WATERMARK,
+        20,
+        0,
+    )
+    assert (admitted.outcome, admitted.pool_holding) == (Outcome.ADMITTED, 20)
 
 
 async def test_the_retry_takes_its_promised_blocks(ledger: Ledger) -> None:

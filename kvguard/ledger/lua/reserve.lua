@@ -10,7 +10,7 @@
 --   pool frees its reserved blocks / hold time a second), ARGV[9] max wait (ms), ARGV[10]
 --   jitter (ms), ARGV[11] grace (ms).
 -- Returns {outcome, pool reserved, tenant reserved, epoch, wait, retry after, promised,
---   changes in, waiting}: outcome 0 admitted, 1 tenant quota, 2 pool watermark; reserved
+--   changes in, waiting, pool held, tenant held}: outcome 0 admitted, 1 tenant quota, 2 pool watermark; reserved
 --   amounts in blocks after this step (promised blocks not included); epoch '' when an
 --   impossible claim was refused without reading it; wait: ms until a refused claim with terms
 --   is expected to fit, counting every promise before it (-1: it never will; 0 without terms,
@@ -19,8 +19,9 @@
 --   for that retry, 0 when the time is only told; changes in: for a refused claim, ms until a
 --   lease or a promise ends or a promise starts holding, by itself (-1: nothing is due, or
 --   admitted); waiting: for a claim back at its promise's time and refused (its blocks held but
---   not all free yet), ms they stay held for it, else 0. A lease id that is already held is
---   admitted again without being counted twice (a retried call).
+--   not all free yet), ms they stay held for it, else 0; pool held, tenant held: the promised
+--   blocks held that this claim counted (0 for a retried call or an impossible claim). A lease
+--   id that is already held is admitted again without being counted twice (a retried call).
 --#include lib.lua
 
 local NONE = -1
@@ -44,7 +45,7 @@ local never = terms and NONE or 0
 if blocks > quota or blocks > limit then
   local outcome = blocks > quota and 1 or 2
   local changes = next_change(now_ms())
-  return {outcome, pool_reserved(), tenant_reserved(tenant), '', never, NONE, 0, changes, 0}
+  return {outcome, pool_reserved(), tenant_reserved(tenant), '', never, NONE, 0, changes, 0, 0, 0}
 end
 
 -- How fast room is freed, as (blocks a second, blocks a release): the faster of the rate
@@ -82,7 +83,7 @@ local now = now_ms()
 reclaim(now)
 local current = epoch()
 if redis.call('HEXISTS', KEYS[1], lease_id) == 1 then
-  return {0, pool_reserved(), tenant_reserved(tenant), current, 0, NONE, 0, NONE, 0}
+  return {0, pool_reserved(), tenant_reserved(tenant), current, 0, NONE, 0, NONE, 0, 0, 0}
 end
 local tenant_now = tenant_reserved(tenant)
 local pool_now = pool_reserved()
@@ -116,7 +117,8 @@ if outcome ~= 0 then
   -- is now.
   local function refused(wait, retry_after, promised, waiting)
     local changes = next_change(now)
-    return {outcome, pool_now, tenant_now, current, wait, retry_after, promised, changes, waiting}
+    return {outcome, pool_now, tenant_now, current, wait, retry_after, promised, changes, waiting,
+      pool_held, tenant_held}
   end
   if own and own.retry_at <= now then
     -- Back at its time, its blocks held but not all free yet: they stay held for it until its
@@ -161,4 +163,5 @@ if own then
   unpromise(key)
 end
 record(lease_id, tenant, blocks, now + lease_ms)
-return {0, pool_now + blocks, tenant_now + blocks, current, 0, NONE, 0, NONE, 0}
+return {0, pool_now + blocks, tenant_now + blocks, current, 0, NONE, 0, NONE, 0, pool_held,
+  tenant_held}
