@@ -78,8 +78,8 @@ class Service:
         self.capacities.subscribe(lambda: self.health.set("capacity", self.capacities.any_known()))
         self._started = False  # from start() on, each policy's pools are subscribed to
         self.publish(policies.build(config, self._tokenizers))
-        # Pools with capacity.endpoints: read from vLLM's /metrics, refreshed (see start()), which
-        # also teaches what their requests produce.
+        # Pools with capacity.endpoints or .service: read from vLLM's /metrics, refreshed (see
+        # start()), which also teaches what their requests produce.
         self.outputs = OutputLengths()
         # What calibrated reservations read: learnt from vLLM's histograms and the completions
         # kvguard reads.

@@ -60,7 +60,11 @@ def _check_config(path: str) -> int:
             f"admits up to {cap.limit(pool.config.watermark)}"
             if cap
             else "discovered from "
-            + ", ".join(redact(url) for url in pool.config.capacity.endpoints or [])
+            + (
+                f"the pods of Service {pool.config.capacity.service}"
+                if pool.config.capacity.service is not None
+                else ", ".join(redact(url) for url in pool.config.capacity.endpoints or [])
+            )
         )
         print(
             f"  pool {pool.name}: models {', '.join(pool.config.models)}; {capacity}; "

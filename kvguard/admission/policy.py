@@ -176,7 +176,7 @@ def warnings(config: Config) -> list[str]:
                     "so one tenant of this tier may take a whole pool"
                 )
     for i, pool in enumerate(config.pools):
-        if not calibrated(pool, tenancy.tiers.values()) or pool.capacity.endpoints:
+        if not calibrated(pool, tenancy.tiers.values()) or pool.capacity.discovered:
             continue
         if config.server.response_sample == 0:
             out.append(

@@ -217,26 +217,42 @@ class Tenancy(_Strict):
 
 
 class Capacity(_Strict):
-    """Static (`blocks` usable blocks of `block_size` tokens) or discovered (`endpoints`, the
-    base URLs of the pool's vLLM servers, whose /metrics are read every `refresh_seconds`)."""
+    """Static (`blocks` usable blocks of `block_size` tokens) or discovered: from `endpoints`,
+    the base URLs of the pool's vLLM servers, or from `service`, the `name:port` of a headless
+    Service whose DNS records (A and AAAA, resolved again at every refresh) are its servers;
+    their /metrics are read every `refresh_seconds`."""
 
     blocks: PositiveInt | None = None
     block_size: PositiveInt | None = None
     endpoints: list[str] | None = None
+    service: str | None = None
     refresh_seconds: Annotated[float, Field(gt=0, le=3600)] = 10.0
+
+    @property
+    def discovered(self) -> bool:
+        return bool(self.endpoints) or self.service is not None
 
     @model_validator(mode="after")
     def _one_source(self) -> Capacity:
         static = self.blocks is not None or self.block_size is not None
-        if static and self.endpoints:
-            raise ValueError("give either blocks and block_size, or endpoints, not both")
-        if not self.endpoints and (self.blocks is None or self.block_size is None):
+        if self.endpoints and self.service is not None:
+            raise ValueError("give either endpoints or service, not both")
+        if static and self.discovered:
+            what = "endpoints" if self.endpoints else "service"
+            raise ValueError(f"give either blocks and block_size, or {what}, not both")
+        if not self.discovered and (self.blocks is None or self.block_size is None):
             raise ValueError("blocks and block_size are both required without endpoints")
-        if not self.endpoints and "refresh_seconds" in self.model_fields_set:
+        if not self.discovered and "refresh_seconds" in self.model_fields_set:
             raise Problems(
                 (("refresh_seconds",), "applies only to discovered capacity (endpoints)")
             )
         problems: list[tuple[Key, str]] = []
+        if self.service is not None:
+            try:
+                if _listen_port(self.service, host_required=True) == 0:
+                    raise ValueError(f"{self.service!r}: the port must be from 1 to 65535")
+            except ValueError as exc:
+                problems.append((("service",), f"{exc}: give the Service's name:port"))
         for i, url in enumerate(self.endpoints or []):
             if not re.fullmatch(r"https?://[^/\s]+(/\S*)?", url):
                 problems.append(

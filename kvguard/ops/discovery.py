@@ -37,10 +37,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import math
+import socket
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -53,6 +55,7 @@ from kvguard.admission.capacity import Capacities, PoolCapacity
 from kvguard.admission.outputs import Histogram, Observed, OutputLengths
 from kvguard.admission.policy import Policy
 from kvguard.config.redact import redact
+from kvguard.config.schema import Capacity
 
 log = logging.getLogger(__name__)
 
@@ -320,10 +323,40 @@ class _Learnt:
     intervals: TokenIntervals | None
 
 
+Resolver = Callable[[str, int], Awaitable[list[str]]]  # (name, port) -> addresses
+
+
+async def resolve(host: str, port: int) -> list[str]:
+    """The addresses DNS gives `host` (A and AAAA records: a headless Service's ready pods),
+    sorted; [] when it has none (no such name, or no records). Raises OSError when DNS cannot
+    answer."""
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        if exc.errno in _NO_RECORDS:
+            return []
+        raise
+    return sorted({str(info[4][0]) for info in infos})
+
+
+# getaddrinfo's answers for a name without addresses (rather than a DNS it cannot reach).
+_NO_RECORDS = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
+
+
+def service_urls(addresses: Iterable[str], port: int) -> list[str]:
+    """The base URLs of a Service's pods at `addresses` (IPv6 in brackets)."""
+    urls = []
+    for address in addresses:
+        host = f"[{address}]" if ipaddress.ip_address(address).version == 6 else address
+        urls.append(f"http://{host}:{port}")
+    return urls
+
+
 @dataclass
 class _Pool:
     refresh_seconds: float
-    urls: frozenset[str] = frozenset()  # the endpoints the policy names now
+    urls: frozenset[str] = frozenset()  # the endpoints the policy names now (or DNS gave)
+    service: str | None = None  # the Service they come from, when they do
     next_due: float = 0.0
     endpoints: dict[str, _Endpoint] = field(default_factory=dict)
     capacity: PoolCapacity | None = None
@@ -355,6 +388,7 @@ class Discovery:
         calibration: Calibration | None = None,
         outputs: OutputLengths | None = None,
         clock: Callable[[], float] = time.monotonic,
+        resolver: Resolver = resolve,
     ) -> None:
         if calibration is not None and outputs not in (None, calibration.outputs):
             raise ValueError("a calibration brings its own outputs: pass one or the other")
@@ -363,6 +397,7 @@ class Discovery:
         self._calibration = calibration
         self._outputs = calibration.outputs if calibration is not None else outputs
         self._clock = clock
+        self._resolve = resolver  # a Service's name to its pods' addresses
         self._pools: dict[str, _Pool] = {}
 
     def unknown(self) -> dict[str, str]:
@@ -409,17 +444,18 @@ class Discovery:
             return {}
         return {name: self._calibration.overcommit.trust(name) for name in self._pools}
 
-    def _discovered(self) -> dict[str, tuple[list[str], float]]:
-        """Pool name -> (endpoints, refresh_seconds) for the pools with endpoints now."""
+    def _discovered(self) -> dict[str, Capacity]:
+        """Pool name -> its capacity's settings, for the pools discovered now."""
         return {
-            pool.name: (list(pool.config.capacity.endpoints), pool.config.capacity.refresh_seconds)
+            pool.name: pool.config.capacity
             for pool in self._policy().pools.values()
-            if pool.config.capacity.endpoints
+            if pool.config.capacity.discovered
         }
 
     async def refresh(self, session: aiohttp.ClientSession, *, only_due: bool = False) -> None:
         """Read every discovered pool's endpoints (with `only_due`, the pools whose time has
-        come) and publish the capacities."""
+        come) and publish the capacities. A pool discovered from a Service resolves it first,
+        so that its endpoints follow the pods that come and go."""
         wanted = self._discovered()
         for gone in [name for name in self._pools if name not in wanted]:
             del self._pools[gone]  # the policy dropped it or made it static
@@ -430,12 +466,21 @@ class Discovery:
             self._calibration.engine.retain(set(wanted))
         now = self._clock()
         rounds = []
-        for name, (endpoints, refresh_seconds) in wanted.items():
+        for name, capacity in wanted.items():
+            refresh_seconds = capacity.refresh_seconds
             state = self._pools.get(name)
             if state is None:
                 state = self._pools[name] = _Pool(refresh_seconds)
             elif state.refresh_seconds != refresh_seconds:
                 state.refresh_seconds, state.next_due = refresh_seconds, 0.0
+            if state.service != capacity.service:
+                state.service, state.next_due = capacity.service, 0.0
+            if capacity.service is not None:
+                if only_due and now < state.next_due:
+                    continue
+                endpoints = await self._resolved(name, state, capacity.service)
+            else:
+                endpoints = list(capacity.endpoints or [])
             if state.urls != frozenset(endpoints):
                 state.urls, state.next_due = frozenset(endpoints), 0.0
             for url in [u for u in state.endpoints if u not in endpoints]:
@@ -445,6 +490,28 @@ class Discovery:
             state.next_due = now + refresh_seconds
             rounds.append(self._refresh_pool(session, name, state, endpoints))
         await asyncio.gather(*rounds)
+
+    async def _resolved(self, name: str, state: _Pool, service: str) -> list[str]:
+        """The endpoints of `service` now; the last ones known when DNS cannot answer (a name
+        without records is a Service without ready pods: no endpoints)."""
+        host, _, port = service.rpartition(":")
+        timeout = min(MAX_FETCH_SECONDS, state.refresh_seconds)
+        try:
+            addresses = await asyncio.wait_for(self._resolve(host.strip("[]"), int(port)), timeout)
+        except (OSError, TimeoutError) as exc:
+            log.warning(
+                "pool %s: resolving %s failed (%s: %s); its last %d endpoint(s) are kept",
+                name,
+                service,
+                type(exc).__name__,
+                exc,
+                len(state.urls),
+            )
+            return sorted(state.urls)
+        urls = service_urls(addresses, int(port))
+        if frozenset(urls) != state.urls:
+            log.info("pool %s: %s resolves to %d endpoint(s)", name, service, len(urls))
+        return urls
 
     async def _refresh_pool(
         self, session: aiohttp.ClientSession, name: str, state: _Pool, endpoints: Iterable[str]
@@ -557,8 +624,12 @@ class Discovery:
         reload during the fetch may have made it static, dropped it or changed its endpoints).
         """
         pool = self._policy().pools.get(name)
-        endpoints = pool.config.capacity.endpoints if pool is not None else None
-        return self._pools.get(name) is state and set(endpoints or []) == set(urls)
+        if pool is None or self._pools.get(name) is not state:
+            return False
+        capacity = pool.config.capacity
+        if capacity.service is not None:  # its endpoints are what DNS gave this round
+            return capacity.service == state.service and state.urls == frozenset(urls)
+        return set(capacity.endpoints or []) == set(urls)
 
     def _publish(self, name: str, state: _Pool, now: float) -> None:
         max_age = STALE_AFTER_REFRESHES * state.refresh_seconds

@@ -32,6 +32,8 @@ from kvguard.ops.discovery import (
     combine,
     metrics_url,
     parse_cache_config,
+    resolve,
+    service_urls,
 )
 from kvguard.ops.health import Health
 from kvguard.testing import free_port
@@ -55,8 +57,9 @@ def with_labels(text: str, **labels: str) -> str:
 class FakeVllm:
     """/metrics on 127.0.0.1 with a text and status the test can change."""
 
-    def __init__(self, text: str = REAL_METRICS) -> None:
+    def __init__(self, text: str = REAL_METRICS, host: str = "127.0.0.1", port: int = 0) -> None:
         self.text = text
+        self.host, self.port = host, port
         self.body: bytes | None = None  # sent instead of the text when set
         self.status = 200
         self.hits = 0
@@ -79,8 +82,8 @@ class FakeVllm:
         app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        await web.TCPSite(self._runner, self.host, self.port).start()
+        self.url = f"http://{self.host}:{self._runner.addresses[0][1]}"
 
     def hold(self) -> asyncio.Event:
         """Answers from now on wait until the returned event is set."""
@@ -494,3 +497,103 @@ def test_refresh_seconds_defaults_to_ten(tmp_path: Path) -> None:
     pool = configs.load(write_config(tmp_path, data), environ={}).pools[0]
     assert pool.capacity.refresh_seconds == 10.0
     assert pool.capacity.blocks is None
+
+
+# --- discovery from a Kubernetes Service -----------------------------------------------------
+
+
+class Dns:
+    """A resolver the test controls: the addresses a Service's name has now, or a failure."""
+
+    def __init__(self, *addresses: str) -> None:
+        self.addresses = list(addresses)
+        self.failing = False
+        self.asked: list[tuple[str, int]] = []
+
+    async def __call__(self, host: str, port: int) -> list[str]:
+        self.asked.append((host, port))
+        if self.failing:
+            raise OSError("DNS did not answer")
+        return list(self.addresses)
+
+
+def service_config(tmp_path: Path, service: str) -> configs.Config:
+    data = kvguard_config()
+    data["pools"][0]["capacity"] = {"service": service, "refresh_seconds": 10}
+    return configs.load(write_config(tmp_path, data), environ={})
+
+
+@asynccontextmanager
+async def pods(*hosts: str) -> AsyncIterator[tuple[int, list[FakeVllm]]]:
+    """A vLLM /metrics on each loopback address, all on one port (a Service's target port)."""
+    port = free_port()
+    text = with_labels(REAL_METRICS, num_gpu_blocks="101")  # 100 usable blocks each
+    servers = [FakeVllm(text, host=host, port=port) for host in hosts]
+    for server in servers:
+        await server.start()
+    try:
+        yield port, servers
+    finally:
+        for server in servers:
+            await server.stop()
+
+
+async def test_a_service_gives_the_pods_it_resolves_to_and_follows_them(tmp_path: Path) -> None:
+    async with pods("127.0.0.2", "127.0.0.3", "127.0.0.4") as (port, (a, b, c)):
+        dns = Dns("127.0.0.2", "127.0.0.3")
+        capacities = Capacities()
+        policy = build(service_config(tmp_path, f"vllm-headless.ns.svc:{port}"))
+        clock = Clock()
+        discovery = Discovery(lambda: policy, capacities, clock=clock, resolver=dns)
+        async with aiohttp.ClientSession() as session:
+            await discovery.refresh(session)
+            assert capacities.get("qwen") == PoolCapacity(200, 128)
+            assert dns.asked == [("vllm-headless.ns.svc", port)]
+            # A pod goes, another comes: the next refresh reads what DNS says then.
+            dns.addresses = ["127.0.0.3", "127.0.0.4"]
+            clock.now += 10
+            await discovery.refresh(session, only_due=True)
+            assert capacities.get("qwen") == PoolCapacity(200, 128)
+            assert (a.hits, b.hits, c.hits) == (1, 2, 1)
+            dns.addresses = ["127.0.0.4"]
+            clock.now += 10
+            await discovery.refresh(session, only_due=True)
+            assert capacities.get("qwen") == PoolCapacity(100, 128)
+            # Not due: DNS is not asked again.
+            await discovery.refresh(session, only_due=True)
+            assert len(dns.asked) == 3
+
+
+async def test_a_dns_that_cannot_answer_keeps_the_last_pods(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with pods("127.0.0.2", "127.0.0.3") as (port, (a, b)):
+        dns = Dns("127.0.0.2", "127.0.0.3")
+        capacities = Capacities()
+        policy = build(service_config(tmp_path, f"vllm:{port}"))
+        clock = Clock()
+        discovery = Discovery(lambda: policy, capacities, clock=clock, resolver=dns)
+        async with aiohttp.ClientSession() as session:
+            await discovery.refresh(session)
+            dns.failing = True
+            clock.now += 10
+            with caplog.at_level(logging.WARNING, logger="kvguard.ops.discovery"):
+                await discovery.refresh(session, only_due=True)
+            assert capacities.get("qwen") == PoolCapacity(200, 128)
+            assert (a.hits, b.hits) == (2, 2)
+            assert "its last 2 endpoint(s) are kept" in caplog.text
+            # A name without records: no ready pods, the capacity is not known.
+            dns.failing, dns.addresses = False, []
+            clock.now += 10
+            await discovery.refresh(session, only_due=True)
+            assert capacities.get("qwen") is None
+            assert "qwen" in discovery.unknown()
+
+
+async def test_the_resolver_gives_a_names_addresses_as_urls() -> None:
+    # localhost comes from the hosts file: no query leaves the machine.
+    assert await resolve("localhost", 8000) in (["127.0.0.1"], ["127.0.0.1", "::1"], ["::1"])
+    assert service_urls(["10.0.0.7", "fd00::7"], 8000) == [
+        "http://10.0.0.7:8000",
+        "http://[fd00::7]:8000",
+    ]
