@@ -55,6 +55,7 @@ from aiohttp import web
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from kvguard.sim.load import sdk_retry_delay  # noqa: E402
 from kvguard.sim.report import percentile  # noqa: E402
 from kvguard.testing import free_port  # noqa: E402
 from kvguard.testing.envoy import EnvoyProcess, loopback_config  # noqa: E402
@@ -72,7 +73,6 @@ PROMPT_TOKEN_S = 0.0002
 WORDS = [" the", " cat", " sat", " on", " a", " mat", " and", " it", " was", " good"]
 SATURATING_RATE = 30.0  # requests a second: about 3 D
 SATURATING_S = 20.0
-RETRY_STATUSES = frozenset({408, 409, 429})
 
 
 def kvguard_config(port: int, horizon_s: float) -> dict[str, Any]:
@@ -203,23 +203,6 @@ class Outcome:
         return bool(self.attempts) and self.attempts[-1].status == 200
 
 
-def sdk_delay(headers: Mapping[str, str], retries: int, rng: random.Random) -> float:
-    """The OpenAI SDK's wait before a retry: retry-after-ms, else retry-after, when within
-    60 s; else its backoff (0.5 s doubling, at most 8 s, less up to 25 % jitter)."""
-    for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
-        value = headers.get(name)
-        if value is None:
-            continue
-        try:
-            seconds = float(value) * scale
-        except ValueError:
-            continue
-        if 0 < seconds <= 60:
-            return seconds
-        break
-    return min(0.5 * 2.0**retries, 8.0) * (1 - 0.25 * rng.random())
-
-
 async def attempt(
     http: aiohttp.ClientSession, url: str, planned: Planned
 ) -> tuple[Attempt, Mapping[str, str]]:
@@ -255,13 +238,9 @@ async def send(url: str, plan: list[Planned], seed: int, *, retry: bool = True) 
         try:
             first, headers = await attempt(http, target, planned)
             outcome.attempts.append(first)
-            if not retry or first.status == 200 or first.should_retry == "false":
+            first.retry_after_s = sdk_retry_delay(first.status, headers, 0, rng)
+            if not retry or first.retry_after_s is None:
                 return outcome
-            if first.should_retry != "true" and not (
-                first.status in RETRY_STATUSES or first.status >= 500
-            ):
-                return outcome
-            first.retry_after_s = sdk_delay(headers, 0, rng)
             await asyncio.sleep(first.retry_after_s)
             second, _ = await attempt(http, target, planned)
             outcome.attempts.append(second)

@@ -85,7 +85,10 @@ class Service:
         # kvguard reads.
         self.calibration = Calibration(self.outputs)
         self.discovery = Discovery(
-            lambda: self.policy, self.capacities, calibration=self.calibration
+            lambda: self.policy,
+            self.capacities,
+            calibration=self.calibration,
+            on_read=self.queue.notify,
         )
         self.health.set("tokenizers", True)
         self._watcher = None

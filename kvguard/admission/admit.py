@@ -35,7 +35,6 @@ __all__ = [
     "Admission",
     "AdmissionSettings",
     "Admitted",
-    "reserve",
 ]
 
 
@@ -280,10 +279,15 @@ class Admission:
         queued = (
             queue is not None and queue.max_wait_seconds > 0 and possible and self.queue is not None
         )
-        bare = dataclasses.replace(claim, terms=None)
-        reservation = await self.ledger.reserve(bare if queued else claim)
+        # Waiting, it is promised nothing; built only then (a copy costs on every request).
+        bare = dataclasses.replace(claim, terms=None) if queued else claim
+        reservation = await self.ledger.reserve(bare)
         if reservation.outcome is Outcome.ADMITTED or self.queue is None:
             return reservation
+        if reservation.waiting_s <= 0 and not queued:
+            return reservation  # refused, with its promise or its time
+        if bare is claim:
+            bare = dataclasses.replace(claim, terms=None)
 
         async def attempt() -> Reservation:
             # The pool's limit as it is now: its capacity or vLLM's unaccounted blocks may
@@ -291,8 +295,6 @@ class Admission:
             return await self.ledger.reserve(self._current(bare, watermark, calibrated))
 
         last = claim
-        if reservation.waiting_s <= 0 and not queued:
-            return reservation  # refused, with its promise or its time
         if reservation.waiting_s <= 0:
             assert queue is not None
             try:
@@ -320,9 +322,10 @@ class Admission:
         capacity = self.capacities.get(claim.pool)
         if capacity is None:
             return claim
-        limit = capacity.limit(watermark)
-        if calibrated and self.calibration is not None:
-            limit = max(0, limit - self.calibration.engine.unaccounted(claim.pool))
+        unaccounted = 0
+        if self.calibration is not None:
+            unaccounted = self.calibration.engine.unaccounted(claim.pool)
+        limit = decide.claim_limit(capacity.limit(watermark), calibrated, unaccounted)
         return dataclasses.replace(claim, pool_limit=limit)
 
     def _fresh(self, claim: Claim, watermark: float, calibrated: bool) -> Claim:
@@ -330,15 +333,3 @@ class Admission:
         return dataclasses.replace(
             self._current(claim, watermark, calibrated), lease_id=uuid.uuid4().hex
         )
-
-
-async def reserve(ledger: Ledger, claim: Claim, *, rate_limit_headers: bool = False) -> Reservation:
-    """Reserve `claim` in `ledger`: the admitting reservation (its lease set), or the Refusal
-    the ledger's answer means. LedgerUnavailable goes to the caller, whose setting says what it
-    means."""
-    reservation = await ledger.reserve(claim)
-    refused = decide.refusal(reservation, claim, rate_limit_headers=rate_limit_headers)
-    if refused is not None:
-        raise refused
-    assert reservation.lease is not None
-    return reservation

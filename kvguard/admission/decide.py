@@ -145,9 +145,7 @@ def claim(
             f"({plan.quota}) or the pool's admissible capacity ({plan.pool_limit}) allows; "
             "lower max_tokens, n or the prompt length",
         )
-    limit = plan.pool_limit
-    if plan.reserved_from != "worst_case":
-        limit = max(0, limit - unaccounted)
+    limit = claim_limit(plan.pool_limit, plan.reserved_from != "worst_case", unaccounted)
     return Claim(
         lease_id,
         plan.pool,
@@ -159,6 +157,12 @@ def claim(
         retry_key,
         terms,
     )
+
+
+def claim_limit(pool_limit: int, calibrated: bool, unaccounted: int) -> int:
+    """The pool limit a claim is checked against: a calibrated one's leaves room for what
+    vLLM holds beyond the ledger's count (`unaccounted`); a worst-case one's needs none."""
+    return max(0, pool_limit - unaccounted) if calibrated else pool_limit
 
 
 def rate_limit(reservation: Reservation, claim: Claim) -> RateLimit:

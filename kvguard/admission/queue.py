@@ -28,9 +28,6 @@ from kvguard.ledger import Lease, Outcome, Reservation
 
 log = logging.getLogger(__name__)
 
-# What became of a queued request (the kvguard_queue_outcomes_total label).
-OUTCOMES = ("admitted", "timed_out", "full", "left", "failed")
-
 
 class QueueFull(Exception):
     """The pool's queue holds max_queued requests: refuse at once."""
@@ -61,7 +58,8 @@ class AdmissionQueue:
 
     `held(pool, tenant)`: the blocks this process holds for a tenant, the queue's order.
     `release(lease)`: gives back a lease admitted for a waiter that left meanwhile.
-    `on_outcome(pool, outcome, waited_s)`: each queued request's end, for the metrics.
+    `on_outcome(pool, outcome, waited_s)`: each queued request's end, for the metrics:
+    admitted, timed_out, full (refused at once), left (its client went away) or failed.
     """
 
     def __init__(

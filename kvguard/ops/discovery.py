@@ -389,6 +389,7 @@ class Discovery:
         outputs: OutputLengths | None = None,
         clock: Callable[[], float] = time.monotonic,
         resolver: Resolver = resolve,
+        on_read: Callable[[str], None] = lambda _pool: None,
     ) -> None:
         if calibration is not None and outputs not in (None, calibration.outputs):
             raise ValueError("a calibration brings its own outputs: pass one or the other")
@@ -398,6 +399,9 @@ class Discovery:
         self._outputs = calibration.outputs if calibration is not None else outputs
         self._clock = clock
         self._resolve = resolver  # a Service's name to its pods' addresses
+        # A pool was read: its capacity, vLLM's unaccounted blocks or the trust of its estimate
+        # may have moved, and with them what its queue's waiters can get.
+        self._on_read = on_read
         self._pools: dict[str, _Pool] = {}
 
     def unknown(self) -> dict[str, str]:
@@ -678,6 +682,7 @@ class Discovery:
         state.waiting = _sum_known(waiting)
         if self._capacities.get(name) != capacity:
             self._capacities.set(name, capacity)
+        self._on_read(name)
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Refresh each pool when it is due, until `stop` is set (or the task is cancelled)."""

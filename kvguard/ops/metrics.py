@@ -24,7 +24,7 @@ values with the SDK's in-memory reader. Prometheus names (a contract: dashboards
     kvguard_drain_cut_streams_total                      streams still open at drain_seconds, cut
     kvguard_queued_requests{pool}                        requests waiting in this process's queue
     kvguard_queue_wait_seconds{pool,outcome}             histogram, one per request that queued,
-        outcome: admitted | timed_out | full | left | failed (admission.queue.OUTCOMES)
+        outcome: admitted | timed_out | full | left | failed (admission.queue)
     kvguard_promised_blocks{pool}                        blocks promised to 429s' retries (the
         ledger's shared view)
 """

@@ -3,9 +3,9 @@
 A trace carries token counts, so counting is not simulated: the rest is the decision `serve`
 makes. The tenant's tier comes from `tenancy`; `admission.decide` sizes the request (the tier
 cap and the room left by max_model_len clamp its output; prompt + the output a policy reserves,
-the whole limit unless it says less, become blocks) and builds its claim;
-`admission.admit.reserve` asks the memory ledger, on the simulation's clock, and turns its answer
-into a refusal the way `serve` does. The client sends the trace's `max_tokens` when it has one,
+the whole limit unless it says less, become blocks) and builds its claim; the memory ledger
+answers it, on the simulation's clock, and `decide.refusal` turns the answer into a refusal the
+way `serve` does. The client sends the trace's `max_tokens` when it has one,
 and none otherwise. kvguard renews the lease of an open stream, so a lease here lasts as long as
 its request, however long it queues.
 
@@ -162,6 +162,7 @@ class PolicyGate:
                 return self._shadowed(identity.tier_name, request, refusal.code)
             return Verdict(identity.tier_name, unsized, refused=refusal.code.value)
         limits = plan.limits
+        reservation = None
         try:
             unaccounted = 0
             if self.calibration is not None:
@@ -182,15 +183,6 @@ class PolicyGate:
                 claim = dataclasses.replace(claim, retry_key="")
             reservation = await self.ledger.reserve(claim)
             refused = decide.refusal(reservation, claim)
-            if refused is not None and reservation.waiting_s > 0:
-                # Back at its time, its held blocks not all free yet: it waits, as serve does.
-                return Verdict(
-                    identity.tier_name,
-                    limits.max_tokens,
-                    limits.clamped,
-                    refused=refused.code.value,
-                    wait_s=reservation.waiting_s,
-                )
             if refused is not None:
                 raise refused
             lease = reservation.lease
@@ -198,6 +190,9 @@ class PolicyGate:
         except Refusal as refusal:
             if decide.passes_in_shadow(self.shadow, refusal.code):
                 return self._shadowed(identity.tier_name, request, refusal.code)
+            # Back at its promise's time, its held blocks not all free yet: it waits, as serve
+            # does (`wait_s`), else it is answered.
+            waiting_s = reservation.waiting_s if reservation is not None else 0.0
             return Verdict(
                 identity.tier_name,
                 limits.max_tokens,
@@ -205,6 +200,7 @@ class PolicyGate:
                 refused=refusal.code.value,
                 retry_after_s=refusal.retry_after_s,
                 should_retry=refusal.should_retry is not False,
+                wait_s=waiting_s,
             )
         self.held += lease.blocks
         self._since[lease.lease_id] = now

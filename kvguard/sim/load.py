@@ -2,14 +2,15 @@
 
 Used by `kvguard demo` and bench/bench_sim_fidelity.py. Each planned request is sent at its
 offset from the start (a schedule, not a synchronisation), and its answer is timed: the first
-streamed token, the end, the status and kvguard's refusal reason. A 429 may be retried as the
-OpenAI SDK does: after `retry-after-ms` (else `retry-after`), unless `x-should-retry: false`.
+streamed token, the end, the status and kvguard's refusal reason. A refused request may be
+retried as the OpenAI SDK does (`sdk_retry_delay`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,10 +62,11 @@ async def send_all(
     timeout_s: float = 600.0,
     retries: int = 0,
 ) -> list[Answer]:
-    """Send every planned request at its time, retrying a 429 up to `retries` times; returns
-    the answers (the last attempt's) in plan order."""
+    """Send every planned request at its time, retrying up to `retries` times as the OpenAI
+    SDK does (`sdk_retry_delay`); returns the answers (the last attempt's) in plan order."""
     loop = asyncio.get_running_loop()
     start = loop.time()
+    rng = random.Random(0)  # the backoff's jitter, when an answer says nothing of when
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     connector = aiohttp.TCPConnector(limit=0)  # no client-side queueing: arrivals are the plan
 
@@ -73,7 +75,8 @@ async def send_all(
         answer = Answer(planned, index, sent_at=loop.time() - start)
         headers = {tenant_header: planned.tenant, **planned.headers}
         while True:
-            answer.reason, wait_s = "", None
+            answer.reason = ""
+            headers_seen: Mapping[str, str] = {}
             try:
                 async with session.post(
                     base_url + planned.path, json=dict(planned.body), headers=headers
@@ -84,13 +87,16 @@ async def send_all(
                         await _read_stream(response, answer, lambda: loop.time() - start)
                     else:
                         _read_whole(await response.read(), answer)
-                    wait_s = _retry_after_s(response.headers)
+                    headers_seen = response.headers
             except (aiohttp.ClientError, TimeoutError) as exc:
                 answer.error = f"{type(exc).__name__}: {exc}"
-            if answer.status != 429 or wait_s is None or answer.attempts > retries:
+            if answer.error is not None or answer.attempts > retries:
+                break
+            wait_s = sdk_retry_delay(answer.status, headers_seen, answer.attempts - 1, rng)
+            if wait_s is None:
                 break
             answer.attempts += 1
-            await asyncio.sleep(wait_s)  # what the server asked for, as the SDK does
+            await asyncio.sleep(wait_s)  # as the SDK does
         answer.done_at = loop.time() - start
         if on_done is not None:
             on_done(answer)
@@ -100,16 +106,34 @@ async def send_all(
         return list(await asyncio.gather(*(one(session, i, p) for i, p in enumerate(plan))))
 
 
-def _retry_after_s(headers: Mapping[str, str]) -> float | None:
-    """When a refused request may come back, as the OpenAI SDK reads it; None: not at all."""
-    if headers.get("x-should-retry") == "false":
+# Statuses the OpenAI SDK retries when the answer says nothing (x-should-retry), besides 5xx.
+RETRY_STATUSES = frozenset({408, 409, 429})
+
+
+def sdk_retry_delay(
+    status: int, headers: Mapping[str, str], retries: int, rng: random.Random
+) -> float | None:
+    """What the OpenAI SDK waits before retrying an answer, its `retries`-th retry next; None
+    when it would not retry: `x-should-retry` first, else the status. The wait:
+    retry-after-ms, else retry-after, when within 60 s; else its backoff (0.5 s doubling, at
+    most 8 s, less up to 25 % jitter)."""
+    should = headers.get("x-should-retry")
+    if should == "false" or status == 200:
+        return None
+    if should != "true" and status not in RETRY_STATUSES and status < 500:
         return None
     for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
-        try:
-            return float(headers[name]) * scale
-        except (KeyError, ValueError):
+        value = headers.get(name)
+        if value is None:
             continue
-    return None
+        try:
+            seconds = float(value) * scale
+        except ValueError:
+            continue
+        if 0 < seconds <= 60:
+            return seconds
+        break
+    return min(0.5 * 2.0**retries, 8.0) * (1 - 0.25 * rng.random())
 
 
 async def _read_stream(

@@ -538,6 +538,22 @@ async def pods(*hosts: str) -> AsyncIterator[tuple[int, list[FakeVllm]]]:
             await server.stop()
 
 
+async def test_each_reading_is_told_though_the_capacity_stays(tmp_path: Path) -> None:
+    """The admission queue is woken by every reading: the estimate's trust and vLLM's
+    unaccounted blocks move with readings that leave the capacity as it was."""
+    async with fake_vllms(REAL_METRICS) as (vllm,):
+        read: list[str] = []
+        policy = build(discovered_config(tmp_path, [vllm.url]))
+        clock = Clock()
+        discovery = Discovery(lambda: policy, Capacities(), clock=clock, on_read=read.append)
+        async with aiohttp.ClientSession() as session:
+            await discovery.refresh(session)
+            clock.now += 10
+            await discovery.refresh(session, only_due=True)
+            await discovery.refresh(session, only_due=True)  # not due: not read
+        assert read == ["qwen", "qwen"]
+
+
 async def test_a_service_gives_the_pods_it_resolves_to_and_follows_them(tmp_path: Path) -> None:
     async with pods("127.0.0.2", "127.0.0.3", "127.0.0.4") as (port, (a, b, c)):
         dns = Dns("127.0.0.2", "127.0.0.3")
