@@ -23,10 +23,11 @@ from kvguard.config.reload import PolicyWatcher
 from kvguard.config.schema import Config
 from kvguard.extproc.server import GrpcServer
 from kvguard.extproc.service import ExternalProcessor
+from kvguard.ledger.replicas import ReplicaCount
 from kvguard.ledger.resilient import ResilientLedger
 from kvguard.ledger.url import from_url
-from kvguard.ops import telemetry
-from kvguard.ops.discovery import Discovery
+from kvguard.ops import replica_service, telemetry
+from kvguard.ops.discovery import Discovery, Resolver, resolve
 from kvguard.ops.health import Health
 from kvguard.ops.metrics import Metrics
 from kvguard.tasks import cancel_and_wait
@@ -59,8 +60,10 @@ class Service:
         providers: telemetry.Providers | None = None,
         reload_interval_s: float = RELOAD_INTERVAL_S,
         response_sample: float | None = None,
+        resolver: Resolver = resolve,
     ) -> None:
         self.config = config
+        self._resolve = resolver  # DNS: discovery's vLLM Services and the replica_service
         self.providers = providers or telemetry.setup(config.server)
         self.metrics = Metrics(self.providers.meter_provider)
         self.telemetry = telemetry.Telemetry(self.metrics, self.providers.tracer_provider)
@@ -89,6 +92,7 @@ class Service:
             self.capacities,
             calibration=self.calibration,
             on_read=self.queue.notify,
+            resolver=resolver,
         )
         self.health.set("tokenizers", True)
         self._watcher = None
@@ -103,11 +107,17 @@ class Service:
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self.health.set("ledger", True)  # until a Redis ledger finds Redis unreachable
+        replicas = config.ledger.replicas
+        # What `on_unavailable: local` divides the pool by: Redis's heartbeats and the
+        # replica_service's pods add to it at runtime; a fixed count is a floor.
+        self.replicas = ReplicaCount(
+            replicas if isinstance(replicas, int) else None, own=config.server.workers
+        )
         self.ledger = from_url(
             config.ledger.url,
             cluster=config.ledger.cluster,
             on_unavailable=config.ledger.on_unavailable,
-            replicas=config.ledger.replicas,
+            replicas=self.replicas,
             lease_seconds=config.ledger.lease_seconds,
             on_reachability=lambda reachable: self.health.set("ledger", reachable),
             open_leases=lambda: self.keeper.snapshot(),
@@ -205,6 +215,16 @@ class Service:
         ]
         if self._watcher is not None:
             jobs.append(self._watcher.run())
+        ledger = self.config.ledger
+        if ledger.replica_service is not None and isinstance(self.ledger, ResilientLedger):
+            jobs.append(
+                replica_service.watch(
+                    ledger.replica_service,
+                    self.config.server.workers,
+                    self.replicas.resolved,
+                    resolver=self._resolve,
+                )
+            )
         self._tasks = [asyncio.create_task(job) for job in jobs]
 
     async def stop(self, grace_s: float) -> None:
@@ -261,8 +281,10 @@ class Service:
             # Built anew each round: a pool that left the policy, a capacity no longer known and
             # a ledger that could not be read show no value rather than their last one.
             capacity, reserved, tenants, promised = {}, {}, {}, {}
+            capacity_known: dict[str, int] = {}
             for name in list(self.policy.pools):
                 known = self.capacities.get(name)
+                capacity_known[name] = int(known is not None)
                 if known is not None:
                     capacity[name] = known.blocks
                 try:
@@ -275,6 +297,11 @@ class Service:
                 self.calibration.engine.reserved(name, usage.reserved)
                 tenants[name] = usage.tenants
             view.capacity, view.reserved, view.tenants = capacity, reserved, tenants
+            view.capacity_known = capacity_known
+            view.ledger_available = int(self.health.snapshot()["ledger"])
+            # Only a shared ledger has replicas to count (memory:// is one process).
+            shared = isinstance(self.ledger, ResilientLedger)
+            view.replicas = self.replicas.count if shared else None
             view.promised, view.queued = promised, self.queue.lengths()
             view.capacity_age_s = self.discovery.ages()
             view.used = self.discovery.used_blocks()

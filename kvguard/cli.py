@@ -10,6 +10,7 @@ from pathlib import Path
 
 from kvguard import __version__
 from kvguard import config as configs
+from kvguard.config.schema import LedgerSettings
 from kvguard.ops import logs
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ def _check_config(path: str) -> int:
     print(f"{path}: ok")
     print(
         f"  ledger: {redact(config.ledger.url)} (lease {config.ledger.lease_seconds}s, "
-        f"on_unavailable={config.ledger.on_unavailable})"
+        f"on_unavailable={config.ledger.on_unavailable}{_replicas(config.ledger)})"
     )
     tiers = ", ".join(
         f"{name} (cap {t.max_tokens_cap}, default {t.default_max_tokens}, {t.max_blocks} blocks)"
@@ -75,6 +76,18 @@ def _check_config(path: str) -> int:
     return 0
 
 
+def _replicas(ledger: LedgerSettings) -> str:
+    """What `local` divides the pool by, as check-config states it."""
+    if ledger.on_unavailable != "local" or ledger.url.startswith("memory://"):
+        return ""
+    sources = ["the processes alive in Redis"]
+    if ledger.replica_service is not None:
+        sources.append(f"the ready pods of Service {ledger.replica_service} x server.workers")
+    if isinstance(ledger.replicas, int):
+        sources.append(str(ledger.replicas))
+    return "; local shares: pool / the largest of " + ", ".join(sources)
+
+
 def _serve(path: str) -> int:
     config = _load(path)
     if config is None:
@@ -88,19 +101,16 @@ def _serve(path: str) -> int:
         return _serve_worker(config, Path(path))
     from kvguard.ops.workers import supervise
 
-    return supervise(
-        config.server.workers, lambda i: _serve_worker(_for_worker(config, i), Path(path))
-    )
-
-
-def _for_worker(config: configs.Config, index: int) -> configs.Config:
-    """Worker `index` serves Prometheus on metrics_listen's port + index (ports can't be shared:
-    a scrape must see one process's counters)."""
-    host, _, port = config.server.metrics_listen.rpartition(":")
-    if not config.server.metrics_listen or port == "0":
-        return config
-    server = config.server.model_copy(update={"metrics_listen": f"{host}:{int(port) + index}"})
-    return config.model_copy(update={"server": server})
+    try:
+        # The supervisor serves metrics_listen for the pod; each worker, loopback only.
+        return supervise(
+            config.server.workers,
+            lambda _: _serve_worker(config, Path(path)),
+            config.server.metrics_listen,
+        )
+    except OSError as exc:  # metrics_listen taken
+        print(f"error: {path}: server.metrics_listen: {exc}", file=sys.stderr)
+        return 1
 
 
 def _serve_worker(config: configs.Config, path: Path) -> int:

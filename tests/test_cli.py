@@ -62,6 +62,21 @@ async def test_check_config_summarises_a_good_file(tmp_path: Path) -> None:
     assert "pool qwen: models qwen; 1000 blocks of 16 tokens, admits up to 850" in out
 
 
+async def test_check_config_says_what_the_local_fallback_divides_by(tmp_path: Path) -> None:
+    data = kvguard_config()
+    data["ledger"] = {
+        "url": "redis://127.0.0.1:6379/0",
+        "on_unavailable": "local",
+        "replica_service": "kvguard-gateway-pods",
+    }
+    code, out, _ = await run("check-config", str(write_config(tmp_path, data)))
+    assert code == 0
+    assert (
+        "local shares: pool / the largest of the processes alive in Redis, the ready pods of "
+        "Service kvguard-gateway-pods x server.workers" in out
+    )
+
+
 def line_of(path: Path, text: str) -> int:
     """The line (from 1) of the file's last line that holds `text`."""
     lines = path.read_text(errors="replace").splitlines()

@@ -130,7 +130,9 @@ def warnings(config: Config) -> list[str]:
     tier quota at or above every pool's limit, which then never binds. A calibrated pool with
     static capacity and `server.response_sample` 0 has nothing to learn from (no vLLM histogram
     is read, no response either): it reserves the worst case for ever; with responses to
-    learn from, it still lacks the loop with vLLM's preemptions and its decode rate.
+    learn from, it still lacks the loop with vLLM's preemptions and its decode rate. A Redis
+    ledger whose `local` fallback counts its replicas only in Redis cannot fall back in a
+    process that never reached Redis.
     """
     out = []
     tenancy = config.tenancy
@@ -191,4 +193,16 @@ def warnings(config: Config) -> list[str]:
                 f"worst case and leases grow at an assumed {DEFAULT_DECODE_RATE:g} tokens/s; "
                 "discover the capacity from the pool's endpoints"
             )
+    ledger = config.ledger
+    if (
+        ledger.on_unavailable == "local"
+        and ledger.url.startswith(("redis://", "rediss://"))
+        and ledger.replicas == "auto"
+        and ledger.replica_service is None
+    ):
+        out.append(
+            "ledger.replica_service: on_unavailable local counts its replicas from Redis "
+            "alone: a process that starts while Redis is down refuses with 503 until it "
+            "reaches Redis once; name the gateway pods' headless Service to count them in DNS"
+        )
     return out

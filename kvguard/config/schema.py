@@ -26,6 +26,11 @@ MAX_BODY_BYTES_LIMIT = (2**31 - 1) // 2
 _HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[\w.-]*):([0-9]{1,5})", re.ASCII)
 # How tenancy.api_keys lists a key: the lowercase hex sha256 of it.
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+# A DNS name: dot-separated labels of letters, digits and inner hyphens.
+_DNS_NAME = re.compile(
+    r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?",
+    re.ASCII,
+)
 
 Key = tuple[str | int, ...]  # a path into the configuration, as pydantic locates errors
 
@@ -97,25 +102,36 @@ class ServerSettings(_Strict):
             )
         return value
 
-    @model_validator(mode="after")
-    def _worker_metrics_ports(self) -> ServerSettings:
-        port = _listen_port(self.metrics_listen, host_required=False) if self.metrics_listen else 0
-        if port and port + self.workers - 1 > 65535:
-            raise Problems(
-                (
-                    ("metrics_listen",),
-                    f"worker i serves port {port} + i, past 65535 with {self.workers} workers",
-                )
-            )
-        return self
-
 
 class LedgerSettings(_Strict):
     url: str = "memory://"
     cluster: bool = False
     lease_seconds: PositiveInt = 900
     on_unavailable: Literal["reject", "allow", "local"] = "reject"
-    replicas: PositiveInt = 1
+    # The kvguard processes `local` divides the pool by: counted at runtime ("auto": those
+    # alive in Redis, and replica_service's ready pods x workers), or at least a fixed N.
+    replicas: PositiveInt | Literal["auto"] = "auto"
+    replica_service: str | None = None  # a headless Service of the gateway pods, by DNS name
+
+    @field_validator("replicas", mode="before")
+    @classmethod
+    def _replicas(cls, value: object) -> object:
+        # One message for both forms (pydantic would report each member of the union).
+        if value == "auto" or (type(value) is int and value >= 1):
+            return value
+        raise ValueError(
+            f"{value!r} is neither auto (counted at runtime) nor a number of processes (1 or more)"
+        )
+
+    @field_validator("replica_service")
+    @classmethod
+    def _dns_name(cls, name: str | None) -> str | None:
+        if name is not None and not _DNS_NAME.fullmatch(name):
+            raise ValueError(
+                f"{name!r} is not a DNS name: give the headless Service's name, such as "
+                "kvguard-gateway-pods or kvguard-gateway-pods.ns.svc (no scheme, no port)"
+            )
+        return name
 
     @field_validator("url")
     @classmethod
@@ -376,7 +392,8 @@ class Config(_Strict):
         # `local` gives each process capacity/replicas: fewer replicas than this process's
         # workers would let the workers together admit more than the pool.
         ledger, workers = self.ledger, self.server.workers
-        if ledger.on_unavailable == "local" and ledger.replicas < workers:
+        fixed = ledger.replicas if isinstance(ledger.replicas, int) else None
+        if ledger.on_unavailable == "local" and fixed is not None and fixed < workers:
             raise Problems(
                 (
                     ("ledger", "replicas"),

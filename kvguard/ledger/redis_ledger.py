@@ -113,7 +113,9 @@ def load_script(name: str) -> Script:
     return Script(name, source, hashlib.sha1(source.encode()).hexdigest())
 
 
-SCRIPT_NAMES = ("reserve", "release", "renew", "reassert", "usage", "leases")
+SCRIPT_NAMES = ("reserve", "release", "renew", "reassert", "usage", "leases", "replicas")
+# Every kvguard process sharing this Redis registers here (replicas.lua), whatever its pools.
+REPLICAS_KEY = "kvguard:replicas"
 
 
 def pool_keys(pool: str) -> list[str]:
@@ -476,6 +478,12 @@ class RedisLedger:
                     self.on_reset(pool)  # state gone: nothing wrote since the restart
             else:
                 self._saw_epoch(pool, epoch)
+
+    async def register(self, process_id: str, ttl_s: float) -> int:
+        """Register `process_id` as alive for `ttl_s` (0: deregister it); returns how many
+        kvguard processes are registered and alive (raises LedgerUnavailable)."""
+        ttl_ms = _ms(ttl_s) if ttl_s > 0 else 0
+        return int(await self._run("replicas", [REPLICAS_KEY], [process_id, ttl_ms]))
 
     async def time(self) -> float:
         """Redis TIME in seconds: the ledger's clock (tests wait on it)."""

@@ -11,7 +11,9 @@
   `LedgerUnavailable` (admission answers 503 or lets the request pass without a lease);
   `local` admits against a local MemoryLedger that starts with this process's open leases and
   allows `pool_limit // replicas` and `tenant_quota // replicas` blocks (rounded down, so that
-  the replicas together never pass the real limits; a share of 0 admits nothing).
+  the replicas together never pass the real limits; a share of 0 admits nothing). `replicas`
+  is counted at runtime (kvguard.ledger.replicas): while no count was ever known, `local`
+  raises `LedgerUnavailable` as `reject` does.
 - Releases that cannot reach Redis are kept and replayed on recovery, so no lease outlives its
   stream in Redis.
 - When the probe reaches Redis again, the process re-asserts every open lease (those of
@@ -24,7 +26,8 @@
   smaller copy in place of a grown one (and Redis would not shrink a lease anyway).
 - While reachable, the watcher checks each pool's epoch every `heartbeat_s`: it notices a Redis
   that restarted between two requests (no error seen) and re-asserts that pool's leases; an
-  idle process also notices an outage within `heartbeat_s`, so readiness follows Redis.
+  idle process also notices an outage within `heartbeat_s`, so readiness follows Redis. Each
+  beat also registers this process in Redis and counts the processes registered there.
 - `on_freed` and `subscribe` are the primary's: releases by every replica, through Redis
   pub/sub (the local ledger's releases are this process's own).
 """
@@ -35,6 +38,9 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
+import secrets
+import socket
 from collections.abc import Callable, Iterable
 
 from kvguard.ledger import (
@@ -48,6 +54,7 @@ from kvguard.ledger import (
 )
 from kvguard.ledger.memory import MemoryLedger
 from kvguard.ledger.redis_ledger import RedisLedger
+from kvguard.ledger.replicas import REGISTRATION_TTL_S, ReplicaCount
 from kvguard.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -69,7 +76,7 @@ class ResilientLedger:
         primary: RedisLedger,
         *,
         on_unavailable: str = "reject",
-        replicas: int = 1,
+        replicas: ReplicaCount | int = 1,
         lease_seconds: float = 900,
         on_reachability: Callable[[bool], None] | None = None,
         open_leases: Callable[[], Iterable[Lease]] | None = None,
@@ -79,13 +86,14 @@ class ResilientLedger:
     ) -> None:
         if on_unavailable not in ON_UNAVAILABLE:
             raise ValueError(f"on_unavailable must be one of {ON_UNAVAILABLE}")
-        if replicas < 1:
-            raise ValueError("replicas must be at least 1")
         self.primary = primary
         primary.on_reset = self._on_reset
         primary.on_release_lost = self._release_lost
         self.on_unavailable = on_unavailable
-        self.replicas = replicas
+        # A fixed count is a floor known from the start; the heartbeats add what Redis counts.
+        self.replicas = replicas if isinstance(replicas, ReplicaCount) else ReplicaCount(replicas)
+        # This process in Redis's registry of replicas: unique across pods and restarts.
+        self.process_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self.lease_seconds = lease_seconds
         self.on_reachability = on_reachability
         self.open_leases = open_leases or (lambda: ())
@@ -127,10 +135,16 @@ class ResilientLedger:
         self._count_error()
         if self._local is None:
             raise LedgerUnavailable("the Redis ledger cannot be reached")
+        replicas = self.replicas.count
+        if replicas is None:
+            raise LedgerUnavailable(
+                "the Redis ledger cannot be reached, and the number of kvguard replicas "
+                "sharing it was never known: no local share"
+            )
         local_claim = dataclasses.replace(
             claim,
-            pool_limit=local_share(claim.pool_limit, self.replicas),
-            tenant_quota=local_share(claim.tenant_quota, self.replicas),
+            pool_limit=local_share(claim.pool_limit, replicas),
+            tenant_quota=local_share(claim.tenant_quota, replicas),
         )
         reservation = await self._local.reserve(local_claim)
         if reservation.outcome is Outcome.ADMITTED and reservation.lease is not None:
@@ -225,6 +239,7 @@ class ResilientLedger:
         """Reach Redis once (registering the scripts) and start watching it."""
         try:
             await self.primary.start()
+            await self._register()
         except LedgerUnavailable as exc:
             self._went_down(exc)
         self._watch()
@@ -233,6 +248,10 @@ class ResilientLedger:
         self._closed = True  # a late failure must not start the watcher again
         await cancel_and_wait([t for t in (self._watcher, *self._tasks) if t is not None])
         self._watcher = None
+        if self.reachable:
+            # Leave the registry at once: the others' count drops without waiting for the TTL.
+            with contextlib.suppress(LedgerUnavailable):
+                await self.primary.register(self.process_id, 0)
         await self.primary.close()
 
     # -- outages --------------------------------------------------------------------------------
@@ -259,6 +278,7 @@ class ResilientLedger:
             return
         self.reachable = False
         self.outages += 1
+        self.replicas.outage(True)
         self._outage.set()  # the watcher probes from now on, not after its heartbeat
         if self.on_unavailable == "local":
             self._local = MemoryLedger()
@@ -271,6 +291,10 @@ class ResilientLedger:
         )
         self._notify(False)
         self._watch()
+
+    async def _register(self) -> None:
+        """Register this process in Redis for another TTL, and count the processes there."""
+        self.replicas.registered(await self.primary.register(self.process_id, REGISTRATION_TTL_S))
 
     def _notify(self, reachable: bool) -> None:
         if self.on_reachability is not None:
@@ -303,6 +327,7 @@ class ResilientLedger:
             reasserted += await self.primary.reassert(todo, self.lease_seconds)
             asserted.update((lease.lease_id, lease.blocks) for lease in todo)
         self.reachable = True
+        self.replicas.outage(False)
         self._local = None
         self._local_leases.clear()
         replay = dict(self._unreleased)
@@ -373,6 +398,7 @@ class ResilientLedger:
             self._outage.clear()
             try:
                 await self.primary.check(self._pools)
+                await self._register()
                 if not self.reachable:
                     await self._recover()
             except LedgerUnavailable as exc:

@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable
 
 from kvguard.ledger import Lease, Ledger
 from kvguard.ledger.memory import MemoryLedger
+from kvguard.ledger.replicas import ReplicaCount
 
 
 def from_url(
@@ -14,7 +15,7 @@ def from_url(
     *,
     cluster: bool = False,
     on_unavailable: str = "reject",
-    replicas: int = 1,
+    replicas: ReplicaCount | int = 1,
     lease_seconds: float = 900,
     on_reachability: Callable[[bool], None] | None = None,
     open_leases: Callable[[], Iterable[Lease]] | None = None,
@@ -24,9 +25,10 @@ def from_url(
 
     `memory://`: the embedded ledger on `clock` (seconds; monotonic by default). `redis://` and
     `rediss://`: the shared ledger (`cluster`: the URL names a Redis Cluster seed node), wrapped
-    in a ResilientLedger that applies `on_unavailable` with `replicas` while Redis cannot be
-    reached, reports reachability to `on_reachability`, counts errors through `on_error`, and
-    re-asserts `open_leases()` for `lease_seconds` when Redis comes back.
+    in a ResilientLedger that applies `on_unavailable` with `replicas` (a fixed count, or one
+    counted at runtime) while Redis cannot be reached, reports reachability to
+    `on_reachability`, counts errors through `on_error`, and re-asserts
+    `open_leases()` for `lease_seconds` when Redis comes back.
     """
 
     def redis() -> Ledger:

@@ -20,19 +20,32 @@ values with the SDK's in-memory reader. Prometheus names (a contract: dashboards
     kvguard_tenant_reserved_blocks{pool,tenant}          top tenants, the rest as tenant="other"
     kvguard_capacity_age_seconds{pool}                   age of the last capacity discovery
     kvguard_ledger_errors_total                          ledger calls that failed
-    kvguard_config_reloads_total{result}                 result: applied|rejected
+    kvguard_config_reloads_total{result}                 result: applied|rejected; both series
+        exist from the start, at 0
     kvguard_drain_cut_streams_total                      streams still open at drain_seconds, cut
     kvguard_queued_requests{pool}                        requests waiting in this process's queue
     kvguard_queue_wait_seconds{pool,outcome}             histogram, one per request that queued,
         outcome: admitted | timed_out | full | left | failed (admission.queue)
     kvguard_promised_blocks{pool}                        blocks promised to 429s' retries (the
         ledger's shared view)
+    kvguard_ledger_available                             1 while the ledger is reachable (always
+        on memory://), 0 while not
+    kvguard_capacity_known{pool}                         1 when the pool's capacity is known
+        (static or discovered), 0 when not; every pool of the policy has a series
+    kvguard_ledger_replicas                              the kvguard processes on_unavailable:
+        local divides the pool by; no series while unknown
+    kvguard_worker_restarts_total                        workers the supervisor started again
+        (server.workers > 1 only: the supervisor's own, kvguard.ops.metrics_merge)
+
+With server.workers > 1 the supervisor serves one exposition for the pod, merging its workers'
+by MERGE_RULES: each instrument's rule is declared there, beside it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 
 from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
 
@@ -51,6 +64,48 @@ QUEUE_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.
 OUTCOMES = ("admitted", "refused", "shadow_refused", "cancelled")
 
 
+class Merge(Enum):
+    """How the supervisor of server.workers > 1 merges one family over its workers."""
+
+    SUM = "sum"  # counted by each worker: added up, a dead worker's last values kept
+    SUM_LIVE = "sum_live"  # held by each live worker (its own queue): added up over them
+    MAX = "max"  # the same shared view in every worker (ledger, vLLM): the highest value
+    MIN = "min"  # a condition every worker must see (ledger reachable): the lowest value
+    FIRST = "first"  # one worker's series stand for all (the lowest-numbered that answered)
+    # A counter of the same events in every worker, each from its own start: the pod's value
+    # moves by one worker's increase per read, and never goes down.
+    SHARED_COUNTER = "shared_counter"
+
+
+# Each Prometheus family's rule, by its exposed name. A family missing here merges as SUM when
+# it is a counter, histogram or summary and as MAX otherwise (kvguard.ops.metrics_merge).
+MERGE_RULES: dict[str, Merge] = {
+    "kvguard_admissions_total": Merge.SUM,
+    "kvguard_decision_duration_seconds": Merge.SUM,
+    "kvguard_prompt_tokens": Merge.SUM,
+    "kvguard_completion_tokens": Merge.SUM,
+    "kvguard_ledger_errors_total": Merge.SUM,
+    "kvguard_config_reloads_total": Merge.SUM,
+    "kvguard_drain_cut_streams_total": Merge.SUM,
+    "kvguard_queue_wait_seconds": Merge.SUM,
+    "kvguard_reserved_blocks": Merge.MAX,
+    "kvguard_capacity_blocks": Merge.MAX,
+    "kvguard_engine_used_blocks": Merge.MAX,
+    "kvguard_engine_preemptions_total": Merge.SHARED_COUNTER,  # the same vLLM events
+    "kvguard_engine_waiting_requests": Merge.MAX,
+    "kvguard_reservation_trust": Merge.MAX,
+    "kvguard_capacity_age_seconds": Merge.MAX,
+    "kvguard_queued_requests": Merge.SUM_LIVE,
+    "kvguard_promised_blocks": Merge.MAX,
+    "kvguard_tenant_reserved_blocks": Merge.MAX,
+    "kvguard_ledger_available": Merge.MIN,
+    "kvguard_capacity_known": Merge.MIN,
+    "kvguard_ledger_replicas": Merge.MAX,
+    # The workers' resource: the same service name and version, each its own instance id.
+    "target_info": Merge.FIRST,
+}
+
+
 @dataclass
 class LedgerView:
     """The last values read from the ledger and discovery; the gauges report these."""
@@ -65,6 +120,10 @@ class LedgerView:
     promised: dict[str, int] = field(default_factory=dict)  # pool -> blocks promised to retries
     queued: dict[str, int] = field(default_factory=dict)  # pool -> requests waiting here
     capacity_age_s: dict[str, float] = field(default_factory=dict)  # pool -> seconds
+    capacity_known: dict[str, int] = field(default_factory=dict)  # pool -> 1 known, 0 not
+    # The health's "ledger", 1 or 0 (OTLP takes no booleans); None before the first read.
+    ledger_available: int | None = None
+    replicas: int | None = None  # what on_unavailable: local divides by; None while unknown
 
 
 class Metrics:
@@ -97,6 +156,9 @@ class Metrics:
         self._reloads = meter.create_counter(
             "kvguard_config_reloads", description="Policy reloads by result"
         )
+        # Both series from the start: increase() then sees a process's first rejected reload.
+        for result in ("applied", "rejected"):
+            self._reloads.add(0, {"result": result})
         self._drain_cut = meter.create_counter(
             "kvguard_drain_cut_streams",
             description="ext_proc streams still open at drain_seconds, cut at shutdown",
@@ -163,6 +225,21 @@ class Metrics:
             callbacks=[self._observe_tenants],
             description="KV blocks reserved per tenant: the top tenants, the rest as 'other'",
         )
+        meter.create_observable_gauge(
+            "kvguard_ledger_available",
+            callbacks=[self._single(lambda: self.view.ledger_available)],
+            description="1 while the ledger is reachable (always on memory://), 0 while not",
+        )
+        meter.create_observable_gauge(
+            "kvguard_capacity_known",
+            callbacks=[self._per_pool(lambda: self.view.capacity_known)],
+            description="1 when the pool's capacity is known (static or discovered), 0 when not",
+        )
+        meter.create_observable_gauge(
+            "kvguard_ledger_replicas",
+            callbacks=[self._single(lambda: self.view.replicas)],
+            description="kvguard processes that on_unavailable: local divides the pool by",
+        )
 
     def record_decision(
         self,
@@ -205,6 +282,18 @@ class Metrics:
     ) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def observe(_: CallbackOptions) -> Iterable[Observation]:
             return [Observation(v, {"pool": pool}) for pool, v in values().items()]
+
+        return observe
+
+    @staticmethod
+    def _single(
+        value: Callable[[], float | None],
+    ) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        """One unlabelled series, absent while `value()` is None."""
+
+        def observe(_: CallbackOptions) -> Iterable[Observation]:
+            current = value()
+            return [] if current is None else [Observation(current)]
 
         return observe
 

@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from kvguard import __version__
 from kvguard.admission.record import Completion, Decision
 from kvguard.config.schema import ServerSettings
+from kvguard.ops import worker_metrics
 from kvguard.ops.metrics import Metrics
 
 log = logging.getLogger("kvguard.decision")
@@ -112,17 +113,21 @@ class Providers:
 
 
 def setup(settings: ServerSettings) -> Providers:
-    """Prometheus exposition at metrics_listen, OTLP (gRPC) to otlp_endpoint, when set."""
+    """Prometheus exposition at metrics_listen (in a worker of server.workers > 1: on loopback,
+    for the supervisor to merge), OTLP (gRPC) to otlp_endpoint, when set."""
     resource = Resource.create({"service.name": "kvguard", "service.version": __version__})
     readers: list[MetricReader] = []
     port, server = None, None
-    if settings.metrics_listen:
+    # A supervised worker serves on loopback; its supervisor serves metrics_listen.
+    listen = worker_metrics.listen_address(settings.metrics_listen)
+    if listen:
         registry = CollectorRegistry()
         # No otel_scope_* labels: the series carry exactly the documented labels.
         readers.append(PrometheusMetricReader(scope_info_enabled=False, registry=registry))
-        host, _, wanted = settings.metrics_listen.rpartition(":")
+        host, _, wanted = listen.rpartition(":")
         server, _ = start_http_server(int(wanted), addr=host or "0.0.0.0", registry=registry)
         port = int(server.server_address[1])
+        worker_metrics.announce(port)
     tracer_provider = None
     if settings.otlp_endpoint:
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter

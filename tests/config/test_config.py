@@ -182,6 +182,37 @@ def test_local_mode_with_a_replica_per_worker_loads(tmp_path: Path) -> None:
     assert config.load(path, environ={}).ledger.replicas == 8
 
 
+def test_replicas_are_counted_at_runtime_by_default(tmp_path: Path) -> None:
+    path = tmp_path / "kvguard.yaml"
+    path.write_text(
+        GOOD_POOL + "ledger: {url: 'redis://redis:6379/0', on_unavailable: local, "
+        "replica_service: kvguard-gateway-pods.llm.svc}\n"
+    )
+    ledger = config.load(path, environ={}).ledger
+    assert (ledger.replicas, ledger.replica_service) == ("auto", "kvguard-gateway-pods.llm.svc")
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ("replicas: 0", "ledger.replicas: 0 is neither auto (counted at runtime) nor a number"),
+        ("replicas: many", "ledger.replicas: 'many' is neither auto"),
+        ("replicas: true", "ledger.replicas: True is neither auto"),
+        ("replica_service: 'gw:50051'", "ledger.replica_service: 'gw:50051' is not a DNS name"),
+        ("replica_service: 'http://gw'", "ledger.replica_service: 'http://gw' is not a DNS name"),
+    ],
+)
+def test_a_bad_replica_setting_is_one_clear_error(
+    tmp_path: Path, setting: str, message: str
+) -> None:
+    path = tmp_path / "kvguard.yaml"
+    path.write_text(GOOD_POOL + f"ledger: {{url: 'redis://redis:6379/0', {setting}}}\n")
+    with pytest.raises(config.ConfigError) as raised:
+        config.load(path, environ={})
+    assert len(raised.value.problems) == 1
+    assert message in raised.value.problems[0]
+
+
 def _warnings(tmp_path: Path, text: str) -> list[str]:
     path = tmp_path / "kvguard.yaml"
     path.write_text(text)
@@ -275,6 +306,19 @@ def test_a_calibrated_pool_without_discovery_is_a_warning(tmp_path: Path) -> Non
         "capacity: {blocks: 40000, block_size: 16}", "capacity: {endpoints: ['http://vllm:8000']}"
     )
     assert _warnings(tmp_path, silent + discovered + tiers) == []
+
+
+def test_a_local_fallback_counted_only_in_redis_is_a_warning(tmp_path: Path) -> None:
+    ledger = "ledger: {url: 'redis://redis:6379/0', on_unavailable: local%s}\n"
+
+    def about_the_ledger(setting: str) -> list[str]:
+        warnings = _warnings(tmp_path, GOOD_POOL + ledger % setting)
+        return [w for w in warnings if w.startswith("ledger.")]
+
+    (warning,) = about_the_ledger("")
+    assert warning.startswith("ledger.replica_service: on_unavailable local counts its replicas")
+    assert about_the_ledger(", replica_service: gw") == []
+    assert about_the_ledger(", replicas: 2") == []
 
 
 def test_no_default_tier_and_no_tenants_is_a_warning(tmp_path: Path) -> None:

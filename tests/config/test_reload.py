@@ -85,7 +85,7 @@ async def test_configmap_swap_applies_and_a_bad_change_keeps_the_last_good_polic
             return await cap_seen() == 1000
 
         await wait_until(new_cap, "the new max_tokens_cap to apply")
-        assert reloads(reader) == {"applied": 1}
+        assert reloads(reader) == {"applied": 1, "rejected": 0}  # both exported from the start
         # A reload warns of what can never admit, as check-config and serve's start do.
         assert f"{path}: tenancy.tiers.pro.max_blocks: 5000 is not below any pool's limit" in (
             caplog.text
