@@ -39,6 +39,8 @@ KUBERNETES_VERSION = "1.30"
 # Every kustomization a user can apply (components are built through them).
 KUSTOMIZATIONS = (
     "base",
+    "overlays/sample-vllm",
+    "overlays/existing-vllm",
     "overlays/external-redis",
     "overlays/istio-gateway",
     "overlays/istio-sidecar",
@@ -99,7 +101,7 @@ def pod_spec(workload: Resource) -> dict[str, Any]:
 
 def container(workload: Resource, name: str) -> dict[str, Any]:
     spec = pod_spec(workload)
-    found = [
+    found: list[dict[str, Any]] = [
         c for c in spec.get("containers", []) + spec.get("initContainers", []) if c["name"] == name
     ]
     assert len(found) == 1, f"{workload['metadata']['name']}: expected one container {name!r}"
@@ -254,3 +256,54 @@ def _merge(target: dict[str, Any], value: Mapping[str, Any]) -> None:
             _merge(target[key], item)
         else:
             target[key] = copy.deepcopy(item)
+
+
+# --- Prometheus Operator resources (k8s/components/monitoring) -------------------------------
+
+
+def _prometheus_operator_models() -> dict[tuple[str, str], Any]:
+    from cloudcoil.models.prometheus_operator import v1 as monitoring_v1
+
+    return {
+        ("monitoring.coreos.com/v1", "PodMonitor"): monitoring_v1.PodMonitor,
+        ("monitoring.coreos.com/v1", "PrometheusRule"): monitoring_v1.PrometheusRule,
+    }
+
+
+PROMETHEUS_OPERATOR_KINDS = frozenset(kind for _, kind in _prometheus_operator_models())
+
+
+@functools.cache
+def _prometheus_operator_validator(api_version: str, kind: str) -> jsonschema.protocols.Validator:
+    model = _prometheus_operator_models()[(api_version, kind)]
+    schema = _python_patterns(_strict(model.model_json_schema(by_alias=True)))
+    validator_class = jsonschema.validators.validator_for(schema)
+    validator_class.check_schema(schema)
+    validator: jsonschema.protocols.Validator = validator_class(schema)
+    return validator
+
+
+def _python_patterns(schema: Any) -> Any:
+    """`schema` with the CRDs' Go patterns that Python's re refuses made equivalent ones: Go
+    takes an inline flag after the anchor (`^(?i)...`), Python only at the start (`(?i)^...`)."""
+    if isinstance(schema, dict):
+        out = {key: _python_patterns(value) for key, value in schema.items()}
+        pattern = out.get("pattern")
+        if isinstance(pattern, str) and pattern.startswith("^(?i)"):
+            out["pattern"] = "(?i)^" + pattern.removeprefix("^(?i)")
+        return out
+    if isinstance(schema, list):
+        return [_python_patterns(item) for item in schema]
+    return schema
+
+
+def validate_monitoring(resource: Mapping[str, Any]) -> None:
+    """Validate a PodMonitor or PrometheusRule against the strict schema generated from the
+    Prometheus Operator's CRDs (`cloudcoil-models-prometheus-operator`), any other resource as
+    `validate` does."""
+    if resource["kind"] not in PROMETHEUS_OPERATOR_KINDS:
+        validate(resource)
+        return
+    _prometheus_operator_validator(resource["apiVersion"], resource["kind"]).validate(resource)
+    if not str(resource.get("metadata", {}).get("name", "")):
+        raise jsonschema.ValidationError("metadata.name is required")

@@ -3,7 +3,11 @@ ports, names, the tenant header, the ledger, probes, drain, hardening, and vLLM'
 
 from __future__ import annotations
 
+import importlib.metadata
+import re
+import shutil
 import urllib.parse
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,23 +18,31 @@ from kvguard.admission import policy
 from kvguard.testing.envoy import KVGUARD_CLUSTER, cluster, http_filter, http_filters, listener
 from tests.conftest import model_dir
 from tests.deploy.manifests import (
+    K8S,
     KUSTOMIZATIONS,
+    ROOT,
     Resource,
     build,
     container,
     find,
+    kustomize,
     of_kind,
     pod_spec,
+    validate,
 )
 
 # Where kvguard is injected, in each kustomization.
 SIDECAR_HOSTS = {
     "base": ("Deployment", "kvguard-gateway"),
+    "overlays/sample-vllm": ("Deployment", "kvguard-gateway"),
+    "overlays/existing-vllm": ("Deployment", "kvguard-gateway"),
     "overlays/external-redis": ("Deployment", "kvguard-gateway"),
     "overlays/istio-gateway": ("Deployment", "kvguard-ingressgateway"),
     "overlays/istio-sidecar": ("StatefulSet", "vllm-qwen"),
 }
 ISTIO = ("overlays/istio-gateway", "overlays/istio-sidecar")
+# The kustomizations whose gateway is the base's plain Envoy (k8s/base/gateway).
+PLAIN_GATEWAYS = tuple(name for name in KUSTOMIZATIONS if name not in ISTIO)
 
 
 def kvguard_config(resources: tuple[Resource, ...]) -> configs.Config:
@@ -139,7 +151,7 @@ def test_grace_period_covers_the_drains(name: str) -> None:
     assert pod_spec(workload)["terminationGracePeriodSeconds"] > drain + max(pre_stop)
 
 
-@pytest.mark.parametrize("name", ["base", "overlays/external-redis"])
+@pytest.mark.parametrize("name", PLAIN_GATEWAYS)
 def test_gateway_pods_are_hardened(name: str) -> None:
     gateway = find(build(name), "Deployment", "kvguard-gateway")
     spec = pod_spec(gateway)
@@ -175,8 +187,6 @@ def test_gateway_replicas_share_a_redis_ledger() -> None:
     replicas = find(resources, "Deployment", "kvguard-gateway")["spec"]["replicas"]
     assert replicas > 1
     assert config.ledger.url.startswith("redis://")  # memory:// cannot be shared
-    # ledger.replicas counts every kvguard process: pods times workers.
-    assert config.ledger.replicas == replicas * config.server.workers
     url = urllib.parse.urlsplit(config.ledger.url)
     redis = find(resources, "Service", url.hostname or "")
     assert url.port in {p["port"] for p in redis["spec"]["ports"]}
@@ -191,12 +201,26 @@ def test_gateway_replicas_share_a_redis_ledger() -> None:
     assert allowed.items() <= pod_spec_labels(host("base")).items()
 
 
-def test_istio_gateway_replicas_match_the_ledger() -> None:
-    resources = build("overlays/istio-gateway")
-    replicas = find(resources, "Deployment", "kvguard-ingressgateway")["spec"]["replicas"]
-    config = kvguard_config(resources)
-    assert config.ledger.replicas == replicas * config.server.workers
-    assert replicas > 1
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_replicas_are_counted_from_the_pods_that_run_kvguard(name: str) -> None:
+    """ledger.replicas: auto counts the ready pods of replica_service: a headless Service that
+    selects exactly the pods kvguard is injected into, whichever they are."""
+    resources = build(name)
+    ledger = kvguard_config(resources).ledger
+    assert ledger.replicas == "auto"
+    assert ledger.replica_service is not None
+    service = find(resources, "Service", ledger.replica_service)
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is False  # ready pods only
+    (port,) = service["spec"]["ports"]
+    assert (port["name"], port["port"]) == ("kvguard-grpc", kvguard_port(resources))
+    selector = service["spec"]["selector"].items()
+    selected = [
+        (w["kind"], w["metadata"]["name"])
+        for w in of_kind(resources, "Deployment") + of_kind(resources, "StatefulSet")
+        if selector <= pod_spec_labels(w).items()
+    ]
+    assert selected == [SIDECAR_HOSTS[name]]
 
 
 def test_external_redis_comes_from_a_secret() -> None:
@@ -298,7 +322,7 @@ def test_sidecar_envoy_filter_targets_vllms_port() -> None:
 
 
 def test_vllm_is_configured_as_the_design_says() -> None:
-    resources = build("base")
+    resources = build("overlays/sample-vllm")
     config = kvguard_config(resources)
     (pool,) = config.pools
     statefulset = find(resources, "StatefulSet", f"vllm-{pool.name}")
@@ -313,28 +337,229 @@ def test_vllm_is_configured_as_the_design_says() -> None:
     assert flags["served-model-name"] in pool.models
     # The tokenizer kvguard counts with is the model vLLM serves, from the same volume.
     assert pool.tokenizer == flags["model"]
-    port = int(flags["port"])
-    assert port in {p["containerPort"] for p in vllm["ports"]}
-
-    # A Service per pool, which the gateway's `vllm` cluster targets...
-    service = find(resources, "Service", f"vllm-{pool.name}")
-    named = {p["name"]: p["containerPort"] for p in vllm["ports"]}
-    assert [named.get(p["targetPort"], p["targetPort"]) for p in service["spec"]["ports"]] == [port]
+    assert int(flags["port"]) in {p["containerPort"] for p in vllm["ports"]}
+    # The gateway's one name for the pool selects these pods and governs the StatefulSet.
+    service = upstream_service(resources)
     assert service["spec"]["selector"].items() <= pod_spec_labels(statefulset).items()
+    assert statefulset["spec"]["serviceName"] == service["metadata"]["name"]
+    assert upstream_port(resources) == int(flags["port"])
+    # The ClusterIP Service for routing inside a mesh selects them too.
+    mesh = find(resources, "Service", f"vllm-{pool.name}")
+    assert mesh["spec"]["selector"].items() <= pod_spec_labels(statefulset).items()
+
+
+def upstream_service(resources: tuple[Resource, ...]) -> Resource:
+    """The Service that Envoy's `vllm` cluster and the pool's capacity.service both name."""
+    (pool,) = kvguard_config(resources).pools
+    assert pool.capacity.service is not None
+    return find(resources, "Service", pool.capacity.service.rsplit(":", 1)[0])
+
+
+def upstream_port(resources: tuple[Resource, ...]) -> int:
+    (pool,) = kvguard_config(resources).pools
+    assert pool.capacity.service is not None
+    return int(pool.capacity.service.rsplit(":", 1)[1])
+
+
+@pytest.mark.parametrize("name", PLAIN_GATEWAYS)
+def test_gateway_routes_to_and_meters_the_same_pods(name: str) -> None:
+    """Envoy's `vllm` cluster and kvguard's capacity discovery name one headless Service, so
+    the pods that get the requests are the pods whose blocks are counted."""
+    resources = build(name)
     (envoy,) = envoy_configs(resources)
-    upstream = cluster(envoy, "vllm")["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
-    assert upstream["endpoint"]["address"]["socket_address"] == {
+    vllm_cluster = cluster(envoy, "vllm")
+    assert vllm_cluster["type"] == "STRICT_DNS"  # every address of the name, refreshed
+    (locality,) = vllm_cluster["load_assignment"]["endpoints"]
+    (endpoint,) = locality["lb_endpoints"]
+    service = upstream_service(resources)
+    assert endpoint["endpoint"]["address"]["socket_address"] == {
         "address": service["metadata"]["name"],
-        "port_value": service["spec"]["ports"][0]["port"],
+        "port_value": upstream_port(resources),
     }
-    # ...and /metrics of every replica, by its stable name, for capacity discovery.
-    headless = find(resources, "Service", statefulset["spec"]["serviceName"])
-    assert headless["spec"]["clusterIP"] == "None"
-    replicas = statefulset["spec"]["replicas"]
-    assert pool.capacity.endpoints == [
-        f"http://{statefulset['metadata']['name']}-{i}.{headless['metadata']['name']}:{port}"
-        for i in range(replicas)
-    ]
+    spec = service["spec"]
+    assert spec["clusterIP"] == "None"  # one record per pod, not one virtual IP
+    assert spec["publishNotReadyAddresses"] is False  # no traffic to a pod still loading
+    # Headless: no port translation, so the Service states the port clients use.
+    port = upstream_port(resources)
+    assert [(p["port"], p["targetPort"]) for p in spec["ports"]] == [(port, port)]
+
+
+@pytest.mark.parametrize("name", ["base", "overlays/existing-vllm"])
+def test_gateway_alone_deploys_no_vllm_and_no_model_volume(name: str) -> None:
+    resources = build(name)
+    assert of_kind(resources, "StatefulSet") == []
+    assert of_kind(resources, "PersistentVolumeClaim") == []
+    images = [c["image"] for w in workloads(resources) for c in all_containers(w)]
+    assert not [image for image in images if "vllm" in image]
+    volumes = [v for w in workloads(resources) for v in pod_spec(w)["volumes"]]
+    assert not [v for v in volumes if "persistentVolumeClaim" in v]
+    # What the gateway routes to is the one Service it owns, selecting pods it does not deploy.
+    selector = upstream_service(resources)["spec"]["selector"].items()
+    assert not [w for w in workloads(resources) if selector <= pod_spec_labels(w).items()]
+
+
+def test_sample_vllm_adds_the_pool_and_its_model_store() -> None:
+    base, sample = build("base"), build("overlays/sample-vllm")
+    added = {(r["kind"], r["metadata"]["name"]) for r in sample} - {
+        (r["kind"], r["metadata"]["name"]) for r in base
+    }
+    assert added == {
+        ("StatefulSet", "vllm-qwen"),
+        ("Service", "vllm-qwen"),
+        ("ServiceAccount", "vllm"),
+        ("PersistentVolumeClaim", "model-store"),
+    }
+    # kvguard reads the tokenizer from the model store instead of fetching it.
+    gateway = find(sample, "Deployment", "kvguard-gateway")
+    assert [c["name"] for c in pod_spec(gateway)["initContainers"]] == ["kvguard"]
+    (models,) = [v for v in pod_spec(gateway)["volumes"] if v["name"] == "kvguard-models"]
+    assert models == {
+        "name": "kvguard-models",
+        "persistentVolumeClaim": {"claimName": "model-store", "readOnly": True},
+    }
+
+
+def test_existing_vllm_selects_the_users_pods_in_their_namespace() -> None:
+    resources = build("overlays/existing-vllm")
+    edited = yaml.safe_load_all((K8S / "overlays/existing-vllm/vllm.yaml").read_text())
+    (patch,) = [d for d in edited if d["kind"] == "Service"]
+    wanted = {k: v for k, v in patch["spec"]["selector"].items() if k != "$patch"}
+    # Exactly the user's labels: none of the base's is left to narrow the selection.
+    assert upstream_service(resources)["spec"]["selector"] == wanted
+    namespace = yaml.safe_load((K8S / "overlays/existing-vllm/kustomization.yaml").read_text())
+    assert {r["metadata"].get("namespace") for r in resources} == {namespace["namespace"]}
+
+
+def test_vllm_in_another_namespace_is_an_alias(tmp_path: Path) -> None:
+    """overlays/existing-vllm's commented alternative, uncommented, builds into an ExternalName
+    Service under the same name (a CNAME to the user's headless Service)."""
+    overlay = tmp_path / "k8s" / "overlays" / "existing-vllm"
+    shutil.copytree(K8S, tmp_path / "k8s")
+    text = (overlay / "vllm.yaml").read_text()
+    documents = text.split("\n---\n")
+    block = documents[0].split("# --- another namespace ---\n")[1].split("# --- end ---")[0]
+    alias = "\n".join(line.removeprefix("# ") for line in block.splitlines())
+    (overlay / "vllm.yaml").write_text("\n---\n".join([alias, *documents[1:]]))
+    resources = tuple(kustomize(overlay))
+    spec = upstream_service(resources)["spec"]
+    assert spec["type"] == "ExternalName" and spec["externalName"].endswith(".svc.cluster.local")
+    assert "selector" not in spec and "clusterIP" not in spec
+    for resource in resources:
+        validate(resource)
+
+
+def test_existing_vllm_takes_an_external_redis(tmp_path: Path) -> None:
+    """overlays/existing-vllm's commented components, external-redis uncommented."""
+    overlay = tmp_path / "k8s" / "overlays" / "existing-vllm"
+    shutil.copytree(K8S, tmp_path / "k8s")
+    text = (overlay / "kustomization.yaml").read_text()
+    for line in ("# components:", "# - ../../components/external-redis"):
+        assert line in text
+        text = text.replace(line, line.removeprefix("# "))
+    (overlay / "kustomization.yaml").write_text(text)
+    resources = tuple(kustomize(overlay))
+    assert not [r for r in resources if r["metadata"]["name"] == "kvguard-redis"]
+    env = container(find(resources, "Deployment", "kvguard-gateway"), "kvguard")["env"]
+    assert [e["name"] for e in env] == ["KVGUARD_LEDGER_URL"]
+    for resource in resources:
+        validate(resource)
+
+
+def workloads(resources: tuple[Resource, ...]) -> list[Resource]:
+    return of_kind(resources, "Deployment") + of_kind(resources, "StatefulSet")
+
+
+def all_containers(workload: Resource) -> list[dict[str, Any]]:
+    spec = pod_spec(workload)
+    containers: list[dict[str, Any]] = spec.get("initContainers", []) + spec["containers"]
+    return containers
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_every_mount_and_claim_exists(name: str) -> None:
+    resources = build(name)
+    claims = {c["metadata"]["name"] for c in of_kind(resources, "PersistentVolumeClaim")}
+    for workload in workloads(resources):
+        volumes = {v["name"]: v for v in pod_spec(workload)["volumes"]}
+        for each in all_containers(workload):
+            for mount in each.get("volumeMounts", []):
+                assert mount["name"] in volumes, f"{each['name']}: no volume {mount['name']}"
+        for volume in volumes.values():
+            assert len(volume) == 2, f"{volume['name']}: one source, not {sorted(volume)}"
+            if "persistentVolumeClaim" in volume:
+                assert volume["persistentVolumeClaim"]["claimName"] in claims
+
+
+TOKENIZER_FETCHERS = [
+    name
+    for name in KUSTOMIZATIONS
+    if any(c["name"] == "kvguard-tokenizer" for c in pod_spec(host(name)).get("initContainers", []))
+]
+
+
+def test_the_gateway_alone_fetches_the_tokenizer() -> None:
+    assert TOKENIZER_FETCHERS == ["base", "overlays/existing-vllm"]
+
+
+@pytest.mark.parametrize("name", TOKENIZER_FETCHERS)
+def test_tokenizer_is_fetched_into_the_pools_folder_before_kvguard_starts(name: str) -> None:
+    resources = build(name)
+    (pool,) = kvguard_config(resources).pools
+    workload = host(name)
+    # A regular init container before the native sidecar: it has finished when kvguard starts.
+    names = [c["name"] for c in pod_spec(workload)["initContainers"]]
+    assert names == ["kvguard-tokenizer", "kvguard"]
+    fetcher = container(workload, "kvguard-tokenizer")
+    assert "restartPolicy" not in fetcher
+    env = {e["name"]: e.get("value") for e in fetcher["env"]}
+    assert fetcher["command"] == ["hf"] and fetcher["args"][:2] == ["download", "$(MODEL_REPO)"]
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(fetcher["args"])
+    expanded = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in fetcher["args"]]
+    assert f"--local-dir={pool.tokenizer}" in expanded
+    assert re.fullmatch(r"[0-9a-f]{40}", env["MODEL_REVISION"])  # a commit, not a branch
+    # It writes the folder that kvguard, in the same image, then reads (read-only).
+    assert fetcher["image"] == container(workload, "kvguard")["image"]
+    writes = mount_of(fetcher, pool.tokenizer)
+    reads = mount_of(container(workload, "kvguard"), pool.tokenizer)
+    assert writes["name"] == reads["name"] and reads.get("readOnly") is True
+    assert fetcher["securityContext"] == container(workload, "kvguard")["securityContext"]
+
+
+def mount_of(each: dict[str, Any], path: str) -> dict[str, Any]:
+    """The mount of `each` that holds `path`."""
+    mounts: list[dict[str, Any]] = each["volumeMounts"]
+    (mount,) = [m for m in mounts if Path(path).is_relative_to(m["mountPath"])]
+    return mount
+
+
+def test_the_image_has_the_hf_command() -> None:
+    """kvguard-tokenizer runs `hf` from kvguard's image: huggingface_hub is in its lock."""
+    lock = (ROOT / "requirements.lock").read_text()
+    assert re.search(r"^huggingface-hub==", lock, re.MULTILINE)
+    scripts = importlib.metadata.distribution("huggingface_hub").entry_points
+    assert "hf" in {e.name for e in scripts if e.group == "console_scripts"}
+
+
+@pytest.mark.parametrize("name", PLAIN_GATEWAYS)
+def test_gateway_egress_is_what_its_containers_need(name: str) -> None:
+    resources = build(name)
+    policy = find(resources, "NetworkPolicy", "kvguard-gateway")
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    allowed = {
+        (p["port"], p["protocol"]) for rule in policy["spec"]["egress"] for p in rule["ports"]
+    }
+    (envoy,) = envoy_configs(resources)
+    jwks = cluster(envoy, "jwks")["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
+    ledger = urllib.parse.urlsplit(kvguard_config(resources).ledger.url).port
+    needed = {
+        (53, "UDP"),
+        (53, "TCP"),
+        (upstream_port(resources), "TCP"),
+        (ledger, "TCP"),
+        (jwks["endpoint"]["address"]["socket_address"]["port_value"], "TCP"),  # and the Hub
+    }
+    assert needed <= allowed
+    assert allowed - needed <= {(6380, "TCP")}  # external-redis: rediss:// as well
 
 
 def test_gateway_service_targets_the_gateway_listener() -> None:

@@ -4,14 +4,17 @@ settings, and the authenticated gateway really sets the tenant header from the t
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import copy
 import hashlib
 import hmac
 import json
+import socket
+import struct
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import pytest
@@ -259,3 +262,84 @@ async def envoy_ready(envoy: EnvoyProcess, client: aiohttp.ClientSession) -> tup
     port = health["local_address"]["socket_address"]["port_value"]
     async with client.get(f"http://127.0.0.1:{port}/ready") as response:
         return response.status, await response.text()
+
+
+# --- the `vllm` cluster behind a DNS alias ------------------------------------------------
+
+ALIAS_TARGET = "vllm-headless.vllm.svc.cluster.local"
+ALIASED_PODS = ("127.0.0.2", "127.0.0.3")
+CARES_RESOLVER = (
+    "type.googleapis.com/envoy.extensions.network.dns_resolver.cares.v3.CaresDnsResolverConfig"
+)
+
+
+def dns_name(name: str) -> bytes:
+    return b"".join(bytes([len(p)]) + p.encode() for p in name.strip(".").split(".")) + b"\0"
+
+
+def dns_record(name: str, rtype: int, rdata: bytes) -> bytes:
+    return dns_name(name) + struct.pack("!HHIH", rtype, 1, 5, len(rdata)) + rdata
+
+
+class AliasingDns(asyncio.DatagramProtocol):
+    """A DNS server that answers every A query for kvguard-vllm (under any search domain) as
+    CoreDNS answers for an ExternalName Service: the CNAME to a headless Service and, in the
+    same answer, that Service's pod addresses. Other queries get no records."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.DatagramTransport, transport)
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        end = data.index(b"\0", 12) + 5  # the question: its name, type and class
+        labels, offset = [], 12
+        while data[offset]:
+            labels.append(data[offset + 1 : offset + 1 + data[offset]].decode())
+            offset += 1 + data[offset]
+        (qtype,) = struct.unpack("!H", data[end - 4 : end - 2])
+        answers = []
+        if labels[0] == "kvguard-vllm" and qtype == 1:
+            answers.append(dns_record(".".join(labels), 5, dns_name(ALIAS_TARGET)))
+            answers += [dns_record(ALIAS_TARGET, 1, socket.inet_aton(a)) for a in ALIASED_PODS]
+        header = data[:2] + struct.pack("!HHHHH", 0x8180, 1, len(answers), 0, 0)
+        self.transport.sendto(header + data[12:end] + b"".join(answers), addr)
+
+
+async def test_vllm_cluster_follows_an_alias_to_every_pod(tmp_path: Path) -> None:
+    """overlays/existing-vllm's alias for a vLLM in another namespace: Envoy's STRICT_DNS
+    cluster follows the CNAME and balances over every address it leads to."""
+    loop = asyncio.get_running_loop()
+    transport, _ = await loop.create_datagram_endpoint(AliasingDns, local_addr=("127.0.0.1", 0))
+    dns_port = transport.get_extra_info("sockname")[1]
+    shipped_vllm = cluster(yaml.safe_load(GATEWAY_CONFIG.read_text()), "vllm")
+    config = local_gateway(upstream_port=8000)
+    vllm = cluster(config, "vllm")
+    vllm["load_assignment"] = copy.deepcopy(shipped_vllm["load_assignment"])  # kvguard-vllm
+    vllm["typed_dns_resolver_config"] = {
+        "name": "envoy.network.dns_resolver.cares",
+        "typed_config": {
+            "@type": CARES_RESOLVER,
+            "resolvers": [{"socket_address": {"address": "127.0.0.1", "port_value": dns_port}}],
+        },
+    }
+    try:
+        async with EnvoyProcess(config, tmp_path) as envoy, aiohttp.ClientSession() as client:
+            hosts = await vllm_hosts(envoy, client, expected=len(ALIASED_PODS))
+    finally:
+        transport.close()
+    assert hosts == {(address, 8000) for address in ALIASED_PODS}
+
+
+async def vllm_hosts(
+    envoy: EnvoyProcess, client: aiohttp.ClientSession, expected: int, timeout: float = 10.0
+) -> set[tuple[str, int]]:
+    """The `vllm` cluster's hosts, once it has `expected` of them (or the deadline passed)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        async with client.get(f"{envoy.admin_url}/clusters?format=json") as response:
+            statuses = (await response.json())["cluster_statuses"]
+        (vllm,) = [s for s in statuses if s["name"] == "vllm"]
+        addresses = [h["address"]["socket_address"] for h in vllm.get("host_statuses", [])]
+        hosts = {(a["address"], a["port_value"]) for a in addresses}
+        if len(hosts) >= expected or time.monotonic() > deadline:
+            return hosts
+        await asyncio.sleep(0.1)

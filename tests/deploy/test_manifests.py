@@ -65,6 +65,18 @@ def test_every_manifest_is_part_of_a_kustomization() -> None:
     assert set(yaml_files()) - kustomizations - referenced == set()
 
 
+def test_every_kustomization_is_built_here() -> None:
+    """A kustomization a user can apply (not a Component) is in KUSTOMIZATIONS, so that every
+    test above builds and checks it."""
+    applicable = {
+        str(path.parent.relative_to(K8S))
+        for path in yaml_files()
+        if path.name == "kustomization.yaml"
+        and yaml.safe_load(path.read_text())["kind"] == "Kustomization"
+    }
+    assert applicable == set(KUSTOMIZATIONS)
+
+
 def test_validation_refuses_an_unknown_field() -> None:
     deployment = copy.deepcopy(find(build("base"), "Deployment", "kvguard-gateway"))
     container(deployment, "kvguard")["readinesProbe"] = {"grpc": {"port": 50051}}
