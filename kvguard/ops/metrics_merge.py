@@ -132,10 +132,6 @@ class PodMetrics:
             self._record(worker, answers[worker])
         self._advance_shared(before)
 
-    def read(self, worker: int, text: str | None) -> None:
-        """Record one worker's answer, as a read of its own."""
-        self.read_round({worker: text})
-
     def _record(self, worker: int, text: str | None) -> None:
         try:
             families = parse(text) if text is not None else None

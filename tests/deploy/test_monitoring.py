@@ -246,7 +246,7 @@ def kvguard_exports() -> frozenset[str]:
     """Every sample name a kvguard pod exposes: one process's exposition, and the supervisor's
     merge of it with server.workers > 1, which adds its own."""
     pod = PodMetrics()
-    pod.read(0, process_exposition())
+    pod.read_round({0: process_exposition()})
     pod_registry = CollectorRegistry(auto_describe=False)
     pod_registry.register(pod)  # collect() is all a collector needs
     merged = generate_latest(pod_registry).decode()

@@ -5,7 +5,6 @@ them, and the supervisor's endpoint and reads over loopback."""
 from __future__ import annotations
 
 import re
-import selectors
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from kvguard.ops.metrics import MERGE_RULES, Metrics
 from kvguard.ops.metrics_merge import PodMetrics, exposed_name
 from kvguard.ops.worker_metrics import PodEndpoint, read_expositions
 from kvguard.testing import free_port
+from tests.ops.test_worker_metrics import serve_the_scrape
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 POOL = (("pool", "qwen"),)
@@ -304,10 +304,7 @@ def test_the_endpoint_serves_the_merge_from_the_callers_loop(exposing: list[int]
 
         scraper = threading.Thread(target=scrape)
         scraper.start()
-        with selectors.DefaultSelector() as selector:
-            selector.register(endpoint, selectors.EVENT_READ)
-            assert selector.select(5), "the scrape to arrive"
-        endpoint.serve_one()
+        serve_the_scrape(endpoint)
         scraper.join(5)
         (exposition,) = got
         assert samples(list(text_string_to_metric_families(exposition)))[ADMITTED] == 5

@@ -40,6 +40,15 @@ def worker_answering(*answers: bytes) -> Iterator[int]:
         server.join(5)
 
 
+def serve_the_scrape(endpoint: PodEndpoint) -> None:
+    """Wait (up to 5 s) for a scrape to arrive on `endpoint`, then answer it as the
+    supervisor's loop does."""
+    with selectors.DefaultSelector() as selector:
+        selector.register(endpoint, selectors.EVENT_READ)
+        assert selector.select(5), "the scrape to arrive"
+    endpoint.serve_one()
+
+
 def test_an_answer_shorter_than_its_content_length_is_no_answer() -> None:
     with worker_answering(WHOLE, CUT) as port:
         assert read_expositions({0: port}, 2.0) == {0: BODY.decode()}
@@ -85,10 +94,7 @@ def test_a_scraper_that_trickles_its_request_is_cut_at_the_scrapes_deadline() ->
     scraper = threading.Thread(target=trickle, daemon=True)
     try:
         scraper.start()
-        with selectors.DefaultSelector() as selector:
-            selector.register(endpoint, selectors.EVENT_READ)
-            assert selector.select(5), "the scrape to arrive"
-        endpoint.serve_one()
+        serve_the_scrape(endpoint)
         scraper.join(10)
         assert not scraper.is_alive()
         assert 0 < sent[0] < len(request)  # cut while it was still sending
