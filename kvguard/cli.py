@@ -251,7 +251,12 @@ def _main(argv: list[str] | None) -> int:
     ledger = commands.add_parser("ledger", help="inspect the admission ledger")
     ledger_commands = ledger.add_subparsers(dest="ledger_command", required=True)
     status = ledger_commands.add_parser(
-        "status", help="capacity, reserved and free blocks per pool and tenant (Redis ledger)"
+        "status",
+        help="capacity, reserved and free blocks per pool and tenant: a Redis ledger read "
+        "directly, memory:// through the running kvguard's admin API (server.admin: true)",
+        description="Capacity, reserved and free blocks per pool and tenant. A Redis ledger "
+        "is read directly; a memory:// ledger lives in the running kvguard, whose admin API "
+        "(server.admin: true, on server.grpc_listen) is asked.",
     )
     _config_argument(status)
     args = parser.parse_args(argv)

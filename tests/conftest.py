@@ -36,7 +36,7 @@ def kvguard_config(
     tenants: dict[str, str] | None = None,
     default_tier: str | None = "free",
     shadow: bool = False,
-    expose_limit_header: bool = False,
+    expose_limit_header: bool = True,
     **server: Any,
 ) -> dict[str, Any]:
     """A configuration with one pool `qwen` (model "qwen") on the real Qwen tokenizer."""

@@ -107,6 +107,7 @@ class Admission:
         what was found on the way, whichever way it ends. `retry_token`: what the client sent
         back of a refusal's token, if anything."""
         decision.tenant, decision.tier = identity.tenant, identity.tier_name
+        decision.metered_tenant = policy.tenancy.metered_tenant(identity.tenant)
         try:
             admitted = await self._decide(policy, kind, identity, raw, decision, retry_token)
         except Refusal as refusal:

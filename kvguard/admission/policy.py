@@ -132,10 +132,18 @@ def warnings(config: Config) -> list[str]:
     is read, no response either): it reserves the worst case for ever; with responses to
     learn from, it still lacks the loop with vLLM's preemptions and its decode rate. A Redis
     ledger whose `local` fallback counts its replicas only in Redis cannot fall back in a
-    process that never reached Redis.
+    process that never reached Redis. API-key identity with a default tier admits requests
+    without a known key.
     """
     out = []
     tenancy = config.tenancy
+    if tenancy.identity == "api_key" and tenancy.default_tier is not None:
+        out.append(
+            f"tenancy.default_tier: with identity api_key, a request with no key or a key not "
+            f"in api_keys is admitted on tier {tenancy.default_tier!r}: anyone who can reach "
+            "the gateway gets that tier; leave default_tier out to answer such requests 401 "
+            "unknown_tenant"
+        )
     if tenancy.default_tier is None:
         if not tenancy.tenants:
             out.append(

@@ -15,6 +15,7 @@ class Decision:
 
     request_id: str = ""
     tenant: str = ""
+    metered_tenant: str = ""  # the tenant as metrics label it (Tenancy.metered_tenant)
     tier: str = ""
     pool: str = ""
     prompt_tokens: int | None = None

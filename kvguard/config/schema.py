@@ -14,7 +14,7 @@ import re
 import urllib.parse
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from kvguard.config.redact import redact
 
@@ -47,6 +47,10 @@ class Problems(ValueError):
 def _raise_all(problems: list[tuple[Key, str]]) -> None:
     if problems:
         raise Problems(*problems)
+
+
+# The metrics label of every tenant the configuration does not name.
+OTHER_TENANTS = "other"
 
 
 class _Strict(BaseModel):
@@ -196,10 +200,12 @@ class Tenancy(_Strict):
         "pro": Tier(max_tokens_cap=4096, default_max_tokens=1024, max_blocks=20000),
     }
     tenants: dict[str, str] = {}
-    # Tell clients the output limit their request ran with (`x-kvguard-max-tokens`).
-    expose_limit_header: bool = False
+    # Tell clients the output limit their request ran with (`x-kvguard-max-tokens`): a clamp
+    # the client cannot see looks like a model that stops short.
+    expose_limit_header: bool = True
     # Tell clients where they stand (`RateLimit` and `RateLimit-Policy`, in KV blocks).
     rate_limit_headers: bool = True
+    _named_tenants: frozenset[str] = PrivateAttr(default=frozenset())
 
     @model_validator(mode="after")
     def _tiers_exist(self) -> Tenancy:
@@ -230,6 +236,15 @@ class Tenancy(_Strict):
     def tier_of(self, tenant: str) -> str | None:
         """The tier name of `tenant`: its mapping, else the default tier, else None."""
         return self.tenants.get(tenant, self.default_tier)
+
+    def metered_tenant(self, tenant: str) -> str:
+        """`tenant` as metrics label it: a tenant the configuration names (in `tenants` or as
+        an API key's tenant) by its name, any other as OTHER_TENANTS (tenant values are the
+        clients', so the label's values stay bounded by the configuration)."""
+        return tenant if tenant in self._named_tenants else OTHER_TENANTS
+
+    def model_post_init(self, context: object, /) -> None:
+        self._named_tenants = frozenset(self.tenants) | frozenset(self.api_keys.values())
 
 
 class Capacity(_Strict):

@@ -6,6 +6,9 @@ values with the SDK's in-memory reader. Prometheus names (a contract: dashboards
     kvguard_admissions_total{pool,tier,outcome,reason}   one per guarded request, where
         outcome: admitted | refused | shadow_refused | cancelled (OUTCOMES)
         reason: the refusal code; "" when admitted or cancelled
+    kvguard_tenant_refusals_total{pool,tenant,outcome,reason}  one per refused request, where
+        outcome: refused | shadow_refused; tenant: a tenant the configuration names, any
+        other as "other" (Tenancy.metered_tenant), "" when none was known
     kvguard_decision_duration_seconds                    histogram, one per guarded request
     kvguard_prompt_tokens                                histogram, admitted requests
     kvguard_completion_tokens{pool,tier}                 histogram, released leases whose
@@ -49,19 +52,21 @@ from enum import Enum
 
 from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
 
+from kvguard.config.schema import OTHER_TENANTS
+
 # Seconds: from the short decisions of small prompts, past the long counts of 32k-token ones,
 # to the 200 ms after which Envoy gives up on an answer.
 DECISION_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 PROMPT_BUCKETS = (16, 64, 256, 1024, 4096, 8192, 16384, 32768, 65536, 131072)
 # vLLM's own bounds for vllm:request_generation_tokens, then the longer limits tiers allow.
 COMPLETION_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 4096, 8192, 16384, 32768)
-OTHER_TENANTS = "other"
 # Seconds a request waits in a pool's queue: up to the longest wait the configuration allows.
 QUEUE_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0)
 # kvguard_admissions_total's outcome label, admission.record.Decision.outcome: admitted; refused
 # (kvguard answered with an error); shadow_refused (shadow mode: it would refuse, and let the
 # request through); cancelled (the stream ended before the answer went out).
 OUTCOMES = ("admitted", "refused", "shadow_refused", "cancelled")
+REFUSED_OUTCOMES = ("refused", "shadow_refused")  # kvguard_tenant_refusals_total's outcomes
 
 
 class Merge(Enum):
@@ -81,6 +86,7 @@ class Merge(Enum):
 # it is a counter, histogram or summary and as MAX otherwise (kvguard.ops.metrics_merge).
 MERGE_RULES: dict[str, Merge] = {
     "kvguard_admissions_total": Merge.SUM,
+    "kvguard_tenant_refusals_total": Merge.SUM,
     "kvguard_decision_duration_seconds": Merge.SUM,
     "kvguard_prompt_tokens": Merge.SUM,
     "kvguard_completion_tokens": Merge.SUM,
@@ -133,6 +139,10 @@ class Metrics:
         self._top_tenants = top_tenants
         self._admissions = meter.create_counter(
             "kvguard_admissions", description="Guarded requests by decision"
+        )
+        self._tenant_refusals = meter.create_counter(
+            "kvguard_tenant_refusals",
+            description="Refused requests by tenant: the configured ones, the rest as 'other'",
         )
         self._duration = meter.create_histogram(
             "kvguard_decision_duration",
@@ -250,9 +260,14 @@ class Metrics:
         reason: str,
         duration_s: float | None,
         prompt_tokens: int | None,
+        tenant: str = "",
     ) -> None:
+        """One guarded request's decision; `tenant` as Tenancy.metered_tenant labels it."""
         labels = {"pool": pool, "tier": tier, "outcome": outcome, "reason": reason}
         self._admissions.add(1, labels)
+        if outcome in REFUSED_OUTCOMES:
+            by_tenant = {"pool": pool, "tenant": tenant, "outcome": outcome, "reason": reason}
+            self._tenant_refusals.add(1, by_tenant)
         if duration_s is not None:
             self._duration.record(duration_s)
         if prompt_tokens is not None and outcome == "admitted":

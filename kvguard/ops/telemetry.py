@@ -75,6 +75,7 @@ class Telemetry:
             reason=decision.reason,
             duration_s=duration_s,
             prompt_tokens=decision.prompt_tokens,
+            tenant=decision.metered_tenant,
         )
         if not log.isEnabledFor(logging.INFO):
             return

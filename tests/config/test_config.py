@@ -338,6 +338,20 @@ def test_api_keys_that_name_no_mapped_tenant_are_a_warning(tmp_path: Path) -> No
     assert _warnings(tmp_path, GOOD_POOL + tenancy + "  tenants: {acme: pro}\n") == []
 
 
+def test_api_key_identity_with_a_default_tier_is_a_warning(tmp_path: Path) -> None:
+    digest = "0" * 64
+    tenancy = f"tenancy:\n  identity: api_key\n  api_keys: {{'{digest}': acme}}\n"
+    mapped = GOOD_POOL + tenancy + "  tenants: {acme: pro}\n"
+    assert _warnings(tmp_path, mapped + "  default_tier: free\n") == [
+        "tenancy.default_tier: with identity api_key, a request with no key or a key not in "
+        "api_keys is admitted on tier 'free': anyone who can reach the gateway gets that tier; "
+        "leave default_tier out to answer such requests 401 unknown_tenant"
+    ]
+    assert _warnings(tmp_path, mapped) == []
+    header = GOOD_POOL + "tenancy: {default_tier: free, tenants: {acme: pro}}\n"
+    assert _warnings(tmp_path, header) == []  # a trusted header: the gateway authenticates
+
+
 def test_a_character_yaml_does_not_allow_names_its_line(tmp_path: Path) -> None:
     path = tmp_path / "kvguard.yaml"
     path.write_text(GOOD_POOL + "shadow: \x07\n")

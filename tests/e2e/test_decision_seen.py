@@ -115,7 +115,7 @@ async def test_the_access_log_shows_the_tenant_kvguard_metered(
         "prompt_tokens": upstream.headers["x-kvguard-prompt-tokens"],
         "reserved_output": upstream.headers["x-kvguard-reserved-output"],
         "would_refuse": None,
-        "max_tokens": None,
+        "max_tokens": str(upstream.json()["max_tokens"]),
     }
     assert upstream.headers["x-kvguard-lease"] != "forged"
 

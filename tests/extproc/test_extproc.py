@@ -153,6 +153,7 @@ async def test_the_decision_is_dynamic_metadata_for_the_access_log(tmp_path: Pat
         "reserved_output": sent["x-kvguard-reserved-output"],
         "ratelimit": metadata(admitted)["ratelimit"],
         "ratelimit_policy": '"kv";q=400',  # the pro tier's quota
+        "max_tokens": "128",  # the pro tier's default, injected
     }
     # What the tenant could reserve next: at most its quota less this request's blocks.
     remaining = re.fullmatch(r'"kv";r=([0-9]+);t=0', metadata(admitted)["ratelimit"])

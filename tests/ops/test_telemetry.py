@@ -115,6 +115,26 @@ async def test_decisions_are_counted_traced_and_logged(
     assert not any("secret prompt" in line for line in caplog.text.splitlines() + lines)
 
 
+async def test_refusals_are_counted_per_configured_tenant(tmp_path: Path) -> None:
+    """A tenant the configuration names keeps its own series; every other value, however
+    many clients make up, counts as "other"."""
+    reader = InMemoryMetricReader()
+    providers = Providers(MeterProvider([reader]), None, None)
+    async with running(tmp_path, providers=providers) as (_, stub):
+        too_many = {**CHAT, "max_tokens": 512, "n": 50}  # more blocks than any quota
+        for tenant in ("acme", "acme", "stranger-1", "stranger-2"):
+            await exchange(stub, headers("/v1/chat/completions", tenant=tenant), body(too_many))
+        await exchange(stub, headers("/v1/chat/completions", tenant="stranger-3"), body(CHAT))
+        refusals = {
+            tuple(p.attributes[k] for k in ("pool", "tenant", "outcome", "reason")): p.value
+            for p in points(reader, "kvguard_tenant_refusals")
+        }
+    assert refusals == {
+        ("qwen", "acme", "refused", "request_exceeds_capacity"): 2,
+        ("qwen", "other", "refused", "request_exceeds_capacity"): 2,
+    }  # stranger-3 was admitted: admissions are not counted here
+
+
 async def test_prometheus_endpoint_serves_the_documented_names(tmp_path: Path) -> None:
     async with running(tmp_path, metrics_listen="127.0.0.1:0") as (service, stub):
         port = service.providers.metrics_port
