@@ -2,7 +2,8 @@
 
 The codes are public (clients and dashboards key on them); docs/design.md lists them under
 "Status codes". Statuses and types follow OpenAI's API, so that its SDKs raise the error class
-they raise for OpenAI's own answers; kvguard's reason is the `code`.
+they raise for OpenAI's own answers; kvguard's reason is the `code`. On Anthropic's Messages
+API the body is Anthropic's error schema instead, with its types.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class Code(enum.StrEnum):
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     INVALID_REQUEST = "invalid_request"
     MODEL_NOT_FOUND = "model_not_found"
+    ENDPOINT_NOT_SERVED = "endpoint_not_served"
     UNKNOWN_TENANT = "unknown_tenant"
     REQUEST_TOO_LARGE = "request_too_large"
     LEDGER_UNAVAILABLE = "ledger_unavailable"
@@ -36,6 +38,11 @@ class Code(enum.StrEnum):
         """The OpenAI error schema's `type` for this code (by its status)."""
         return _ERROR_TYPE[self.status]
 
+    @property
+    def anthropic_type(self) -> str:
+        """Anthropic's error `type` for this code (by its status; a fault is `api_error`)."""
+        return "api_error" if self is Code.INTERNAL_ERROR else _ANTHROPIC_TYPE[self.status]
+
 
 _STATUS = {
     Code.TENANT_BLOCK_QUOTA_EXCEEDED: 429,
@@ -44,6 +51,7 @@ _STATUS = {
     Code.CONTEXT_LENGTH_EXCEEDED: 400,
     Code.INVALID_REQUEST: 400,
     Code.MODEL_NOT_FOUND: 404,  # as OpenAI's API and vLLM answer
+    Code.ENDPOINT_NOT_SERVED: 404,  # as OpenAI's API answers an unknown URL
     Code.UNKNOWN_TENANT: 401,
     Code.REQUEST_TOO_LARGE: 413,
     Code.LEDGER_UNAVAILABLE: 503,
@@ -59,6 +67,19 @@ _ERROR_TYPE = {
     # quotas are KV blocks, which hold tokens.
     429: "tokens",
     503: "server_error",  # OpenAI's answer when its servers are overloaded
+}
+
+
+# Anthropic's error types (docs.claude.com/en/api/errors), for the refusals of /v1/messages.
+# Its SDK picks the exception class by status; the type tells an overload (retry) from a fault.
+_ANTHROPIC_TYPE = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",  # kvguard's 503s say when to retry, as Anthropic's 529 does
 }
 
 
@@ -85,6 +106,11 @@ class Refusal(Exception):
             "code": self.code.value,
         }
         return json.dumps({"error": error}).encode()
+
+    def anthropic_body(self) -> bytes:
+        """Anthropic's error schema (the code is in x-kvguard-reason)."""
+        error = {"type": self.code.anthropic_type, "message": self.message}
+        return json.dumps({"type": "error", "error": error}).encode()
 
 
 def invalid(message: str, param: str | None = None) -> Refusal:

@@ -17,6 +17,7 @@ EXPECTED = {
     Code.CONTEXT_LENGTH_EXCEEDED: (400, "invalid_request_error"),
     Code.INVALID_REQUEST: (400, "invalid_request_error"),
     Code.MODEL_NOT_FOUND: (404, "invalid_request_error"),
+    Code.ENDPOINT_NOT_SERVED: (404, "invalid_request_error"),
     Code.UNKNOWN_TENANT: (401, "invalid_request_error"),
     Code.REQUEST_TOO_LARGE: (413, "invalid_request_error"),
     Code.LEDGER_UNAVAILABLE: (503, "server_error"),
@@ -43,4 +44,29 @@ def test_body_is_the_openai_error_schema() -> None:
             "param": "model",
             "code": "model_not_found",
         }
+    }
+
+
+# status -> Anthropic's error type (docs.claude.com/en/api/errors), for refusals on /v1/messages.
+ANTHROPIC = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+@pytest.mark.parametrize("code", list(Code), ids=str)
+def test_anthropic_types_follow_the_status(code: Code) -> None:
+    expected = "api_error" if code is Code.INTERNAL_ERROR else ANTHROPIC[code.status]
+    assert code.anthropic_type == expected
+
+
+def test_anthropic_body_is_its_error_schema() -> None:
+    refusal = Refusal(Code.TENANT_BLOCK_QUOTA_EXCEEDED, "tenant quota in use", None, 2.5)
+    assert json.loads(refusal.anthropic_body()) == {
+        "type": "error",
+        "error": {"type": "rate_limit_error", "message": "tenant quota in use"},
     }

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from kvguard.config.schema import Tier
 from kvguard.errors import Code, Refusal, invalid
-from kvguard.tokens.request import LIMIT_FIELDS, Kind
+from kvguard.tokens.request import LIMIT_FIELDS, PROMPT_FIELD, Kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +27,8 @@ def clamp(
     min_tokens: int = 0,
 ) -> Limits:
     """Clamp each limit the client sent to the tier cap and to the context room left by the
-    longest prompt; inject `max_tokens` = the tier default when vLLM would read none, or
+    longest prompt; inject the kind's limit field (`max_tokens`; Responses'
+    `max_output_tokens`) = the tier default when vLLM would read none, or
     `min_tokens` when that is more. vLLM refuses `min_tokens` above `max_tokens`: a request
     whose `min_tokens` the limits cannot honour is refused here."""
     room = max_model_len - longest_prompt
@@ -36,7 +37,7 @@ def clamp(
             Code.CONTEXT_LENGTH_EXCEEDED,
             f"the prompt has {longest_prompt} tokens, which reaches this model's maximum "
             f"context length of {max_model_len} tokens",
-            "messages" if kind == "chat" else "prompt",
+            PROMPT_FIELD[kind],
         )
     ceiling = min(tier.max_tokens_cap, room)
     fields = {key: min(value, ceiling) for key, value in sent.items()}
@@ -47,7 +48,7 @@ def clamp(
         clamped = fields != sent
     else:
         max_tokens = min(max(tier.default_max_tokens, min_tokens), ceiling)
-        fields["max_tokens"] = max_tokens
+        fields[LIMIT_FIELDS[kind][-1]] = max_tokens
         clamped = True
     if min_tokens > max_tokens:
         raise invalid(

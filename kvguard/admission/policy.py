@@ -17,6 +17,7 @@ from kvguard.admission.capacity import PoolCapacity, pool_limit
 from kvguard.admission.estimate import blocks_needed, clamp
 from kvguard.config.schema import Config, Pool, Tenancy, Tier
 from kvguard.errors import Code, Refusal
+from kvguard.tokens import messages_api
 from kvguard.tokens.tokenizer import PoolTokenizer
 
 
@@ -94,6 +95,7 @@ def build(config: Config, tokenizers: TokenizerCache | None = None) -> Policy:
         key = tokenizer_key(pool)
         if key not in cache:
             cache[key] = PoolTokenizer.load(Path(pool.tokenizer), pool.chat_template)
+            messages_api.probe(cache[key])  # once here, not on a request's path
         used.add(key)
         capacity = None
         if pool.capacity.blocks is not None and pool.capacity.block_size is not None:

@@ -30,7 +30,7 @@ METADATA_NAMESPACE = "envoy.filters.http.ext_proc"
 OBSERVE_HEADER = "x-kvguard-observe"
 _OBSERVE = {OBSERVE_HEADER: "1"}
 
-# For paths kvguard does not guard: no body buffering, no response messages.
+# For the read-only paths (routes.READ_ONLY_PATHS): no body buffering, no response messages.
 PASS_THROUGH_MODE = ProcessingMode(
     request_body_mode=ProcessingMode.NONE,
     response_header_mode=ProcessingMode.SKIP,
@@ -121,11 +121,15 @@ def continue_response(kind: str) -> ProcessingResponse:
             return ProcessingResponse(request_headers=HeadersResponse())
 
 
-def refusal(refused: Refusal, metadata: Mapping[str, str] | None = None) -> ProcessingResponse:
-    """The local reply for a refusal: OpenAI error body, reason header, when to retry (RFC
-    9110's delay-seconds in `retry-after`, milliseconds in `retry-after-ms`, which the OpenAI
-    SDKs read first, both rounded up) or `x-should-retry: false`, and the refusal's own
-    headers; `metadata` as in admitted_body (Envoy applies it with an immediate response too)."""
+def refusal(
+    refused: Refusal, metadata: Mapping[str, str] | None = None, kind: str | None = None
+) -> ProcessingResponse:
+    """The local reply for a refusal: the error body in the schema of the request's API
+    (`kind`: Anthropic's for "messages", OpenAI's for the others and for requests of no
+    kind), reason header, when to retry (RFC 9110's delay-seconds in `retry-after`,
+    milliseconds in `retry-after-ms`, which the OpenAI and Anthropic SDKs read first, both
+    rounded up) or `x-should-retry: false`, and the refusal's own headers; `metadata` as in
+    admitted_body (Envoy applies it with an immediate response too)."""
     headers = {"content-type": "application/json", "x-kvguard-reason": refused.code.value}
     if refused.should_retry is False:
         headers["x-should-retry"] = "false"
@@ -137,7 +141,7 @@ def refusal(refused: Refusal, metadata: Mapping[str, str] | None = None) -> Proc
     response = ProcessingResponse(
         immediate_response=ImmediateResponse(
             status=HttpStatus(code=refused.code.status),
-            body=refused.body(),
+            body=refused.anthropic_body() if kind == "messages" else refused.body(),
             details=f"kvguard_{refused.code.value}",
         )
     )

@@ -35,10 +35,11 @@ from kvguard.config.schema import COUNTING_BUDGET_S
 from kvguard.errors import Code, Refusal, invalid
 from kvguard.extproc import responses
 from kvguard.extproc.observe import DEFAULT_SAMPLE, Completions, Sampler
+from kvguard.extproc.routes import NOT_SERVED, READ_ONLY, classify, not_served
 from kvguard.extproc.usage import BodyReader
 from kvguard.ops.telemetry import Telemetry
 from kvguard.ops.throttled_log import ThrottledWarnings
-from kvguard.tokens.request import Kind, guarded_kind
+from kvguard.tokens.request import Kind
 
 log = logging.getLogger(__name__)
 
@@ -141,11 +142,18 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
     def _on_request_headers(self, exchange: _Exchange, message: HttpHeaders) -> ProcessingResponse:
         headers = exchange.headers = _headers(message.headers)
         remove = [name for name in headers if name.startswith(KVGUARD_HEADER_PREFIX)]
-        exchange.kind = guarded_kind(headers.get(":path", ""))
         exchange.decision.request_id = headers.get("x-request-id", "")
-        if exchange.kind is None:
+        route = classify(headers.get(":method", ""), headers.get(":path", ""))
+        if route == NOT_SERVED:  # deny by default: refused before any body is read
+            raise not_served()
+        if route != READ_ONLY:
+            exchange.kind = route  # before the tenant: a 401 answers in the kind's schema
+        # Read-only endpoints too need a known identity (401 without one, as generation does):
+        # the gateway may give vLLM its own key, and /tokenize spends vLLM's CPU.
+        identity = identify_request(exchange.policy, headers)
+        if route == READ_ONLY:
             return responses.request_headers(remove, guarded=False)
-        exchange.identity = identify_request(exchange.policy, headers)
+        exchange.identity = identity
         if message.end_of_stream:
             raise invalid("this endpoint needs a JSON request body")
         exchange.observed = self._sampler.pick(exchange.decision.request_id)
@@ -298,4 +306,5 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
             self._telemetry.record(exchange.decision)
         # The access log's tenant is kvguard's (dynamic metadata), never a header as sent.
         tenant = exchange.identity.tenant if exchange.identity is not None else ""
-        return responses.refusal(exc, {"tenant": tenant} if tenant else None)
+        metadata = {"tenant": tenant} if tenant else None
+        return responses.refusal(exc, metadata, exchange.kind)

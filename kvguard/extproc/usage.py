@@ -6,6 +6,12 @@ choice's `finish_reason`. A stream is server-sent events, `data: {...}` per chun
 (`stream_options.include_usage`), so without it the count is the events that carried choices
 (vLLM sends one per decoded token). Only the events that can say something are parsed as JSON:
 the others are counted by their prefix.
+
+The Responses and Messages APIs say `usage.output_tokens`: at the top of a non-streamed answer,
+in a stream's last event (Responses' `response.completed`, under `response`; Messages'
+`message_delta`). Their streams name each event (`event: …` before its `data:`), and progress
+is the delta events (`response.output_text.delta` and the other `response.*.delta`,
+`content_block_delta`), about one per decoded token.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from typing import Any
 # A non-streamed body larger than this is not kept for reading (a batch of long answers).
 MAX_JSON_BYTES = 4 * 1024 * 1024
 _EVENT = b"data: "
+_NAMED = b"event: "
 _WORTH_PARSING = (b'"usage":{', b'"usage": {', b'"finish_reason":"', b'"finish_reason": "')
 
 
@@ -66,6 +73,10 @@ class BodyReader:
 
     def _line(self, line: bytes) -> None:
         if not line.startswith(_EVENT) or line.startswith(b"data: [DONE]"):
+            if line.startswith(_NAMED):  # Responses and Messages streams: count their deltas
+                name = line[len(_NAMED) :].rstrip()
+                if name.endswith(b".delta") or name == b"content_block_delta":
+                    self._events += 1
             return
         if any(marker in line for marker in _WORTH_PARSING):
             event = _json(line[len(_EVENT) :])
@@ -81,12 +92,35 @@ class BodyReader:
         usage = event.get("usage")
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             self._usage = usage["completion_tokens"]
+        elif "choices" not in event:
+            self._read_other(event)
+            return
         if self._finish is None:
             for choice in event.get("choices") or ():
                 reason = choice.get("finish_reason") if isinstance(choice, dict) else None
                 if isinstance(reason, str):
                     self._finish = reason
                     break
+
+    def _read_other(self, event: dict[str, Any]) -> None:
+        """A Responses or Messages answer or event: `usage.output_tokens`, and why it ended
+        (Messages' stop_reason; Responses' incomplete reason, else its status)."""
+        if event.get("type") == "message_start":
+            return  # its usage is the prompt's, before any output
+        response = event.get("response")
+        answer: dict[str, Any] = response if isinstance(response, dict) else event
+        usage = answer.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("output_tokens"), int):
+            self._usage = usage["output_tokens"]
+        delta = event.get("delta")
+        stop = delta.get("stop_reason") if isinstance(delta, dict) else event.get("stop_reason")
+        incomplete = answer.get("incomplete_details")
+        if isinstance(incomplete, dict) and isinstance(incomplete.get("reason"), str):
+            stop = incomplete["reason"]
+        elif stop is None:
+            stop = answer.get("status")
+        if isinstance(stop, str):
+            self._finish = stop
 
     def done(self) -> Produced:
         """What the whole body said (call once its last chunk was fed)."""

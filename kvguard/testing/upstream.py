@@ -2,8 +2,9 @@
 
 `StreamingUpstream` streams every answer token by token, with a real gap between tokens, and
 takes little CPU doing it (see its docstring). `RecordingUpstream` records every request
-reaching it and answers POST /v1/chat/completions and /v1/completions (JSON or SSE streams)
-and any other path with 200 "ok". Tests steer its single requests with headers:
+reaching it and answers POST /v1/chat/completions and /v1/completions (JSON or SSE streams),
+/v1/responses and /v1/messages (kvguard.testing.upstream_apis), and any other path with 200
+"ok". Tests steer its single requests with headers:
 
 - `x-test-status: 500`: answer with that status (an OpenAI error body);
 - `x-test-delay: 0.5`: wait that many seconds before answering;
@@ -32,6 +33,8 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from aiohttp import web
+
+from kvguard.testing import upstream_apis
 
 COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 TOKEN_TEXT = "tok "
@@ -155,7 +158,8 @@ class RecordingUpstream(_Loopback):
         status = int(headers.get("x-test-status", "200"))
         if status != 200:
             return _error(status, f"x-test-status asked for {status}")
-        if request.method != "POST" or recorded.path not in COMPLETION_PATHS:
+        api = recorded.path in upstream_apis.API_PATHS
+        if request.method != "POST" or not (api or recorded.path in COMPLETION_PATHS):
             return web.Response(text="ok")
         try:
             body = recorded.json()
@@ -163,6 +167,8 @@ class RecordingUpstream(_Loopback):
             return _error(400, "body is not JSON")
         if not isinstance(body, dict):
             return _error(400, "body is not a JSON object")
+        if api:
+            return await upstream_apis.answer(request, headers, body, self.token_delay)
         completion = _Completion(recorded, body)
         if body.get("stream") is True:
             delay = float(headers.get("x-test-token-delay", self.token_delay))

@@ -26,7 +26,6 @@ _CALL_PARAMETERS = (
     "sanitize_control_tokens",
     "return_assistant_tokens_mask",
 )
-_FUNCTION_FIELDS = frozenset({"name", "description", "parameters", "defer_loading"})
 
 
 @dataclass(frozen=True)
@@ -67,23 +66,38 @@ def normalise_tools(tools: object) -> list[Any] | None:
             raise TokenizerError(
                 f"tools[{i}].function: description must be a string, parameters an object"
             )
-        # Declared fields first (None included: templates print them), extras after them.
-        function = {
-            "name": fn["name"],
-            "description": fn.get("description"),
-            "parameters": fn.get("parameters"),
-        }
         defer = fn.get("defer_loading")
         if defer is None:
             defer = tool.get("defer_loading")  # the tool's flag propagates to its function
-        if defer is not None:
-            function["defer_loading"] = defer
-        function |= {k: v for k, v in fn.items() if k not in _FUNCTION_FIELDS}
-        dumped = {"type": "function", "function": function}
+        function = function_definition(
+            fn["name"], fn.get("description"), fn.get("parameters"), fn.get("strict"), defer
+        )
+        dumped: dict[str, Any] = {"type": "function", "function": function}
         if tool.get("defer_loading") is not None:
-            dumped["defer_loading"] = tool["defer_loading"]
+            dumped["defer_loading"] = lax_bool(tool["defer_loading"], "defer_loading")
         out.append(dumped)
     return out
+
+
+def function_definition(
+    name: str,
+    description: object,
+    parameters: object,
+    strict: object = None,
+    defer_loading: object = None,
+) -> dict[str, Any]:
+    """A function as vLLM's `FunctionDefinition` dumps it for the template: its declared
+    fields in their order (description and parameters even when None: templates print them),
+    strict and defer_loading only when set, nothing else. Raises TokenizerError."""
+    if not isinstance(description, str | None) or not isinstance(parameters, dict | None):
+        raise TokenizerError(
+            f"tool {name[:40]!r}: description must be a string, parameters an object"
+        )
+    function: dict[str, Any] = {"name": name, "description": description, "parameters": parameters}
+    for key, value in (("strict", strict), ("defer_loading", defer_loading)):
+        if value is not None:
+            function[key] = lax_bool(value, key)
+    return function
 
 
 def _unset(value: object) -> bool:

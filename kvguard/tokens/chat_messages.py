@@ -76,6 +76,37 @@ def normalise_messages(
     return out, sum(costs)
 
 
+def developer_as_system(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """vLLM's `_convert_developer_to_system` and `_consolidate_system_messages`
+    (vllm/renderers/hf.py), for a template that never names the developer role: developer
+    messages become system messages, and when a system message is then not alone at the
+    start, every system message's text goes into one at the start ("\n\n" between them)."""
+    converted = [
+        {k: v for k, v in m.items() if k != "tools"} | {"role": "system"}
+        if m["role"] == "developer"
+        else m
+        for m in chat
+    ]
+    texts: list[str] = []
+    rest: list[dict[str, Any]] = []
+    merge = False
+    for i, message in enumerate(converted):
+        if message["role"] != "system":
+            rest.append(message)
+            continue
+        merge = merge or i > 0 or bool(texts)
+        content = message.get("content", "")
+        if isinstance(content, list):
+            content = "\n".join(
+                p["text"] if isinstance(p, dict) else p
+                for p in content
+                if isinstance(p, str) or (isinstance(p, dict) and "text" in p)
+            )
+        if content:
+            texts.append(content)
+    return [{"role": "system", "content": "\n\n".join(texts)}, *rest] if merge else converted
+
+
 def _content_parts(
     content: object, i: int, fmt: ContentFormat, media: Mapping[str, int], costs: list[int]
 ) -> list[Any]:

@@ -173,6 +173,9 @@ class ChatTemplate:
             raise ValueError(f"{origin}: chat template does not compile: {exc}") from None
         self.source = source
         self.content_format: ContentFormat = detect_content_format(ast)
+        # vLLM turns developer messages into system ones for a template that never names the
+        # role (vllm/renderers/hf.py `_detect_developer_role_support`).
+        self.names_developer = '"developer"' in source or "'developer'" in source
 
     def render(
         self,

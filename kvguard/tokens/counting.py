@@ -9,8 +9,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
 from kvguard.errors import Code, Refusal, invalid
-from kvguard.tokens.request import InferenceRequest, TokenizerError, are_token_ids, lax_bool
-from kvguard.tokens.tokenizer import PoolTokenizer
+from kvguard.tokens import messages_api, responses_api
+from kvguard.tokens.request import (
+    PROMPT_FIELD,
+    InferenceRequest,
+    TokenizerError,
+    are_token_ids,
+    lax_bool,
+)
+from kvguard.tokens.tokenizer import ChatPrompt, PoolTokenizer
 
 # Where a count runs, by body size (bench/bench_tokens.py measures the costs). Bodies up to
 # INLINE_BODY_BYTES are counted on the event loop: they stall it for well under a millisecond,
@@ -48,12 +55,12 @@ def count_prompts(
     `max_model_len` resolves `truncate_prompt_tokens: -1`.
     """
     special = add_special_tokens(request)
-    param = "messages" if request.kind == "chat" else "prompt"
+    param = PROMPT_FIELD[request.kind]
     stop_at = _enough(request, max_model_len)
     media = 0
     try:
-        if request.kind == "chat":
-            chat = tokenizer.chat_prompt(request.body, media_tokens)
+        if request.kind != "completion":
+            chat = _chat_prompt(tokenizer, request, media_tokens)
             prompts: list[str | list[int]] = [chat.text]
             media = chat.media_tokens
         else:
@@ -80,8 +87,33 @@ def count_prompts(
     return counts
 
 
+def _chat_prompt(
+    tokenizer: PoolTokenizer, request: InferenceRequest, media_tokens: Mapping[str, int] | None
+) -> ChatPrompt:
+    """The rendered prompt of a chat, or of a Responses or Messages body turned into the chat
+    vLLM renders for it."""
+    if request.kind == "chat":
+        return tokenizer.chat_prompt(request.body, media_tokens)
+    if request.kind == "responses":
+        converted = responses_api.chat_input(request.body)
+    else:
+        converted = messages_api.chat_input(request.body, tokenizer)
+    return tokenizer.messages_prompt(
+        converted.messages, converted.tools, converted.options, media_tokens
+    )
+
+
+# Where vLLM's tokenization ignores the body: its Responses API adds special tokens (its
+# default TokenizeParams), its Messages API goes through a chat request that does not.
+_FIXED_SPECIAL_TOKENS = {"responses": True, "messages": False}
+
+
 def add_special_tokens(request: InferenceRequest) -> bool:
-    """vLLM's default: False for chat (the template adds them), True for completions."""
+    """vLLM's default: False for chat (the template adds them), True for completions; a
+    request's own `add_special_tokens` where vLLM reads one."""
+    fixed = _FIXED_SPECIAL_TOKENS.get(request.kind)
+    if fixed is not None:
+        return fixed
     try:
         return lax_bool(
             request.body.get("add_special_tokens", request.kind == "completion"),
@@ -228,6 +260,10 @@ class PromptCounter:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
+# Top-level strings that a count reads: the others are left out of a body's weight.
+_PROMPT_STRINGS = {"responses": ("input", "instructions"), "messages": ("system",)}
+
+
 def work_bytes(
     tokenizer: PoolTokenizer, request: InferenceRequest, body_bytes: int, max_model_len: int | None
 ) -> int:
@@ -236,11 +272,12 @@ def work_bytes(
     template's work for each message. Top-level strings other than a prompt are never read
     (`user`, `model`, …): a small chat padded in one weighs what the chat does."""
     body = request.body
-    text = body_bytes - sum(len(v) for k, v in body.items() if k != "prompt" and isinstance(v, str))
+    read = _PROMPT_STRINGS.get(request.kind, ("prompt",))
+    text = body_bytes - sum(len(v) for k, v in body.items() if k not in read and isinstance(v, str))
     stop_at = _enough(request, max_model_len)
-    if request.kind == "chat":
-        messages = body.get("messages")
-        rendering = MESSAGE_WORK_BYTES * (len(messages) if isinstance(messages, list) else 0)
+    if request.kind != "completion":
+        messages = body.get(PROMPT_FIELD[request.kind])  # chat messages, or Responses' input
+        rendering = MESSAGE_WORK_BYTES * (len(messages) if isinstance(messages, list) else 1)
         return rendering + tokenizer.reads_at_most(text + rendering, stop_at)
     return sum(
         # At most 4 UTF-8 bytes a character, and at most the body's own bytes.

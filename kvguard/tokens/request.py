@@ -1,4 +1,5 @@
-"""Parse and validate an OpenAI-style request body, as far as admission needs it.
+"""Parse and validate a request body (OpenAI's chat, completions and Responses APIs, Anthropic's
+Messages API), as far as admission needs it.
 
 Only what decides the reservation is checked here (model, prompt shape, n, token limits);
 everything else is vLLM's business and passes through untouched. Counting and templating read
@@ -14,19 +15,33 @@ from typing import Any, Literal
 
 from kvguard.errors import invalid
 
-Kind = Literal["chat", "completion"]
+# chat and completion: OpenAI's Chat Completions and Completions; responses: OpenAI's Responses
+# API; messages: Anthropic's Messages API (vLLM serves it at /v1/messages).
+Kind = Literal["chat", "completion", "responses", "messages"]
 
 # The token-limit fields vLLM reads, in the order it reads them
-# (`max_completion_tokens or max_tokens` for chat; completions only know `max_tokens`).
+# (`max_completion_tokens or max_tokens` for chat; completions only know `max_tokens`). The last
+# is the one injected when a request sends none (Messages requires its own).
 LIMIT_FIELDS: dict[Kind, tuple[str, ...]] = {
     "chat": ("max_completion_tokens", "max_tokens"),
     "completion": ("max_tokens",),
+    "responses": ("max_output_tokens",),
+    "messages": ("max_tokens",),
 }
 ALL_LIMIT_FIELDS = ("max_completion_tokens", "max_tokens")
+# The body field that holds the prompt, as refusals about the prompt name it.
+PROMPT_FIELD: dict[Kind, str] = {
+    "chat": "messages",
+    "completion": "prompt",
+    "responses": "input",
+    "messages": "messages",
+}
 
 GUARDED_PATHS: dict[str, Kind] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completion",
+    "/v1/responses": "responses",
+    "/v1/messages": "messages",
 }
 # pydantic's lax bool, which vLLM's request model uses.
 _TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
@@ -50,6 +65,8 @@ class InferenceRequest:
     # `ignore_eos` or `use_beam_search`: it runs to its limit (or holds beams), so it reserves
     # the whole limit whatever the reservation mode.
     runs_to_limit: bool = False
+    # Messages' thinking.budget_tokens (0: none): vLLM refuses a limit at or below it.
+    thinking_budget: int = 0
 
 
 def guarded_kind(path: str) -> Kind | None:
@@ -177,6 +194,10 @@ def parse(kind: Kind, raw: bytes) -> InferenceRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("'model' must be a non-empty string", "model")
+    if kind == "responses":
+        return _responses(model, body)
+    if kind == "messages":
+        return _messages(model, body)
     if kind == "chat":
         _check_messages(body.get("messages"))
     else:
@@ -190,6 +211,66 @@ def parse(kind: Kind, raw: bytes) -> InferenceRequest:
     to_limit = _flag(body, "ignore_eos") or _flag(body, "use_beam_search")
     return InferenceRequest(
         kind, model, body, n, limits, _truncation(body), _min_tokens(body), to_limit
+    )
+
+
+def _responses(model: str, body: dict[str, Any]) -> InferenceRequest:
+    """An OpenAI Responses body (vLLM's ResponsesRequest): no `n`, no `min_tokens`; `truncation:
+    "auto"` keeps what fits, as `truncate_prompt_tokens: -1` does. What needs state vLLM keeps
+    between requests is refused: kvguard counts only what the body holds."""
+    if not isinstance(body.get("input"), str | list):
+        raise invalid("'input' must be a string or an array of input items", "input")
+    if body.get("previous_response_id") is not None:
+        raise invalid(
+            "'previous_response_id' is not supported here: the prompt would include a stored "
+            "response that kvguard cannot count; send the conversation in 'input'",
+            "previous_response_id",
+        )
+    if _flag(body, "background"):
+        raise invalid(
+            "'background' is not supported here: the generation would outlive the request "
+            "that holds its KV-cache reservation",
+            "background",
+        )
+    if body.get("prompt") is not None:
+        raise invalid("prompt template is not supported", "prompt")  # vLLM's answer
+    truncation = body.get("truncation")
+    if truncation not in (None, "auto", "disabled"):
+        raise invalid("'truncation' must be 'auto' or 'disabled'", "truncation")
+    limits = {}
+    if (value := _positive_int(body, "max_output_tokens")) is not None:
+        limits["max_output_tokens"] = value
+    keep = -1 if truncation == "auto" else None
+    return InferenceRequest("responses", model, body, 1, limits, keep, 0, _flag(body, "ignore_eos"))
+
+
+def _messages(model: str, body: dict[str, Any]) -> InferenceRequest:
+    """An Anthropic Messages body (vLLM's AnthropicMessagesRequest): `max_tokens` required; an
+    extended-thinking budget must stay below the limit, as vLLM checks."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise invalid("'messages' must be an array", "messages")
+    max_tokens = _positive_int(body, "max_tokens")
+    if max_tokens is None:
+        raise invalid("'max_tokens' is required", "max_tokens")
+    budget: Any = 0
+    thinking = body.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") == "enabled":
+        budget = thinking.get("budget_tokens")
+        if type(budget) is not int or budget < 1024:
+            raise invalid(
+                "'thinking.budget_tokens' must be an integer of at least 1024",
+                "thinking.budget_tokens",
+            )
+        transfer = body.get("kv_transfer_params")
+        if isinstance(transfer, dict) and transfer.get("do_remote_decode"):
+            budget = 0  # vLLM checks a disaggregated prefill's budget on its decode leg
+        elif budget >= max_tokens:
+            raise invalid(
+                "thinking.budget_tokens must be less than max_tokens", "thinking.budget_tokens"
+            )
+    return InferenceRequest(
+        "messages", model, body, 1, {"max_tokens": max_tokens}, thinking_budget=budget
     )
 
 

@@ -21,7 +21,7 @@ from typing import Any
 from tokenizers import AddedToken, Tokenizer
 
 from kvguard.tokens.chat_arguments import normalise_tools, template_arguments
-from kvguard.tokens.chat_messages import normalise_messages
+from kvguard.tokens.chat_messages import developer_as_system, normalise_messages
 from kvguard.tokens.chat_template import ChatTemplate, ChatTemplateError
 from kvguard.tokens.prefix_bound import PrefixBound, worth_bounding
 from kvguard.tokens.request import TokenizerError
@@ -125,9 +125,26 @@ class PoolTokenizer:
         messages = request.get("messages")
         if not isinstance(messages, list) or not messages:
             raise TokenizerError("messages must be a non-empty array")
-        args = template_arguments(request, normalise_tools(request.get("tools")))
+        return self.messages_prompt(
+            messages, normalise_tools(request.get("tools")), request, media_tokens
+        )
+
+    def messages_prompt(
+        self,
+        messages: list[Any],
+        tools: list[Any] | None,
+        options: Mapping[str, Any],
+        media_tokens: Mapping[str, int] | None = None,
+    ) -> ChatPrompt:
+        """As `chat_prompt`, for chat messages built from another API's body: `tools` as vLLM
+        hands them to the template, `options` the template fields of a chat body
+        (`chat_template_kwargs`, `add_generation_prompt`, `continue_final_message`,
+        `reasoning_effort`). Raises TokenizerError."""
+        args = template_arguments(options, tools)
         template = self._template_for(args.tools)
         chat, media = normalise_messages(messages, template.content_format, media_tokens)
+        if not template.names_developer and any(m["role"] == "developer" for m in chat):
+            chat = developer_as_system(chat)
         try:
             text = template.render(
                 chat,
@@ -140,6 +157,12 @@ class PoolTokenizer:
         except ChatTemplateError as exc:
             raise TokenizerError(str(exc)) from None
         return ChatPrompt(text, media)
+
+    def template_sources(self) -> list[str]:
+        """The chat templates vLLM may render with, without tools and with them (one source
+        when the folder has a single template). Raises TokenizerError without a template."""
+        sources = [self._template_for(None).source, self._template_for([]).source]
+        return sources[:1] if sources[0] == sources[1] else sources
 
     def count(self, text: str, add_special_tokens: bool, stop_at: int | None = None) -> int:
         """Tokens in `text`: segments between added tokens that were counted before are not

@@ -4,6 +4,7 @@ local replies write them."""
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -39,13 +40,20 @@ def test_kvguards_table_is_the_code_table() -> None:
 
 
 def envoy_replies() -> set[tuple[str, str]]:
-    """(code, type) of each error body envoy/envoy.yaml's local_reply_config writes."""
+    """(code, type) of each error body envoy/envoy.yaml writes: its local_reply_config's and its
+    routes' direct responses."""
     config: Any = yaml.safe_load(ENVOY.read_text())
     (listener,) = config["static_resources"]["listeners"]
     (chain,) = listener["filter_chains"]
     (manager,) = chain["filters"]
     mappers = manager["typed_config"]["local_reply_config"]["mappers"]
     errors = [m["body_format_override"]["json_format"]["error"] for m in mappers]
+    for host in manager["typed_config"]["route_config"]["virtual_hosts"]:
+        for route in host["routes"]:
+            if "direct_response" in route:
+                errors.append(
+                    json.loads(route["direct_response"]["body"]["inline_string"])["error"]
+                )
     return {(e["code"], e["type"]) for e in errors}
 
 

@@ -35,6 +35,7 @@ from kvguard.testing.upstream import RecordingUpstream
 pytestmark = pytest.mark.integration
 
 CHAT = {"model": "qwen", "messages": [{"role": "user", "content": "hi"}]}
+GUARDED = "/v1/chat/completions"  # a path the gateway routes to vLLM; tests pick by query
 # Above envoy.yaml's 16 MiB per_connection_buffer_limit_bytes.
 ABOVE_ENVOYS_BUFFER = 17 * 1024 * 1024
 
@@ -53,8 +54,9 @@ def longer_body_than_its_length() -> ProcessingResponse:
 
 
 class StandIn(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    """Answers by path: /refuse/<code> gets kvguard's refusal, /hang never gets an answer to its
-    body, /bad-length's body grows without its content-length, anything else passes."""
+    """Answers by the query string of a guarded path (the gateway routes no other path to
+    vLLM): `refuse=<code>` gets kvguard's refusal, `hang` never gets an answer to its body,
+    `bad-length`'s body grows without its content-length, anything else passes."""
 
     async def Process(self, requests: AsyncIterator[ProcessingRequest], context: Any) -> None:
         path = ""
@@ -66,14 +68,15 @@ class StandIn(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     for h in message.request_headers.headers.headers
                     if h.key == ":path"
                 )
-                code = path.removeprefix("/refuse/")
-                if code != path:
+                query = path.partition("?")[2]
+                code = query.removeprefix("refuse=")
+                if code != query:
                     await context.write(responses.refusal(refusal_for(Code(code))))
                     continue
-                if path == "/hang":
+                if query == "hang":
                     await asyncio.Event().wait()  # until Envoy gives up and ends the stream
                 await context.write(responses.request_headers([], guarded=True))
-            elif kind == "request_body" and path == "/bad-length":
+            elif kind == "request_body" and path == GUARDED + "?bad-length":
                 await context.write(longer_body_than_its_length())
             else:
                 await context.write(responses.continue_response(str(kind)))
@@ -134,7 +137,7 @@ async def test_kvguards_message_timeout_is_a_504_in_the_openai_schema(
     tmp_path: Path, upstream: RecordingUpstream, stand_in: int
 ) -> None:
     async with EnvoyProcess(loopback_config(stand_in, upstream.port), tmp_path) as envoy:
-        answer = await post(f"{envoy.url}/hang", json.dumps(CHAT).encode())
+        answer = await post(f"{envoy.url}{GUARDED}?hang", json.dumps(CHAT).encode())
     assert_envoy_answer(answer, 504, "kvguard_timeout", "server_error")
     assert upstream.requests == []
 
@@ -164,7 +167,7 @@ async def test_kvguards_own_answers_pass_byte_for_byte(
     answers = {}
     async with EnvoyProcess(loopback_config(stand_in, upstream.port), tmp_path) as envoy:
         for code in Code:
-            answers[code] = await post(f"{envoy.url}/refuse/{code.value}", b"{}")
+            answers[code] = await post(f"{envoy.url}{GUARDED}?refuse={code.value}", b"{}")
     for code, (status, headers, body) in answers.items():
         built = responses.refusal(refusal_for(code)).immediate_response
         sent = {h.header.key: h.header.raw_value.decode() for h in built.headers.set_headers}
@@ -190,10 +193,11 @@ REASONS = {"400": "Bad Request", "404": "Not Found", "500": "Internal Server Err
 
 
 def upstream_answer(path: str) -> bytes | None:
-    """The raw answer of the upstream below to `path`; None: no answer at all."""
-    if path == "/upstream/garbage":
+    """The raw answer of the upstream below to `path` (by its query); None: no answer at all."""
+    query = path.partition("?")[2]
+    if query == "upstream=garbage":
         return b"NOT HTTP AT ALL\r\n\r\n"
-    name = path.removeprefix("/vllm/")
+    name = query.removeprefix("vllm=")
     if name == "bare-503":
         return b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n"
     if name in VLLM_ERRORS:
@@ -256,12 +260,12 @@ async def test_every_other_error_envoy_answers_itself_is_in_the_openai_schema(
     chat = json.dumps(CHAT).encode()
     async with EnvoyProcess(config, tmp_path) as envoy:
         answers = {
-            "stream_idle_timeout": await post(f"{envoy.url}/upstream/silent", chat),
+            "stream_idle_timeout": await post(f"{envoy.url}{GUARDED}?upstream=silent", chat),
             "upstream_reset_before_response_started{protocol_error}": await post(
-                f"{envoy.url}/upstream/garbage", chat
+                f"{envoy.url}{GUARDED}?upstream=garbage", chat
             ),
             "mismatch_between_content_length_and_the_length_of_the_mutated_body": await post(
-                f"{envoy.url}/bad-length", chat
+                f"{envoy.url}{GUARDED}?bad-length", chat
             ),
             "http1.headers_too_large": await post(
                 f"{envoy.url}/v1/chat/completions", chat, {"x-large": "a" * 70 * 1024}
@@ -290,8 +294,8 @@ async def test_vllms_own_answers_pass_byte_for_byte(
     chat = json.dumps(CHAT).encode()
     async with EnvoyProcess(loopback_config(stand_in, raw_upstream), tmp_path) as envoy:
         for name in [*VLLM_ERRORS, "bare-503"]:
-            direct[name] = await post(f"http://127.0.0.1:{raw_upstream}/vllm/{name}", chat)
-            through[name] = await post(f"{envoy.url}/vllm/{name}", chat)
+            direct[name] = await post(f"http://127.0.0.1:{raw_upstream}{GUARDED}?vllm={name}", chat)
+            through[name] = await post(f"{envoy.url}{GUARDED}?vllm={name}", chat)
     assert [status for status, _, _ in through.values()] == [400, 404, 500, 503, 503]
     for name, (status, headers, body) in through.items():
         assert (status, body) == direct[name][:1] + direct[name][2:], name

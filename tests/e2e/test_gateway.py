@@ -173,20 +173,20 @@ async def test_body_between_kvguard_and_envoy_limits_gets_kvguard_413(tmp_path: 
         assert headers["x-kvguard-reason"] == "request_too_large"
 
 
-async def test_unguarded_paths_pass_untouched(tmp_path: Path) -> None:
+async def test_read_only_paths_pass_untouched(tmp_path: Path) -> None:
     async with gateway(tmp_path) as gw:
-        raw = json.dumps({"model": "qwen", "input": "embed me"}).encode()
+        raw = json.dumps({"model": "qwen", "prompt": "count me"}).encode()
         async with gw.http.post(
-            gw.url + "/v1/embeddings",
+            gw.url + "/tokenize",
             data=raw,
             headers={"x-kvguard-blocks": "999", "content-type": "application/json"},
         ) as response:
             assert response.status == 200
         async with gw.http.get(gw.url + "/v1/models") as response:
             assert response.status == 200
-        embeddings, models = gw.upstream.requests
-        assert embeddings.body == raw
-        assert "x-kvguard-blocks" not in embeddings.headers
+        tokenize, models = gw.upstream.requests
+        assert tokenize.body == raw
+        assert "x-kvguard-blocks" not in tokenize.headers
         assert (models.method, models.path) == ("GET", "/v1/models")
         assert await gw.reserved() == 0
 

@@ -46,7 +46,8 @@ async def test_streams_open_at_the_end_of_the_grace_are_cut_and_counted(
     providers = Providers(MeterProvider([reader]), None, None)
     async with running(tmp_path, providers=providers) as (service, stub):
         admitted, _ = await exchange(stub, headers("/v1/chat/completions"), body(CHAT))
-        unguarded, _ = await exchange(stub, headers("/v1/models"))  # open, without a lease
+        # Open, without a lease.
+        unguarded, _ = await exchange(stub, headers("/v1/models", {":method": "GET"}))
         ended, _ = await exchange(stub, headers("/v1/chat/completions"), body(CHAT))
         await ended.done_writing()
         assert await ended.read() == grpc.aio.EOF
@@ -136,7 +137,7 @@ async def test_a_stream_taken_before_the_grace_but_not_yet_handled_is_served(
 async def _refused(stub: Any) -> bool:
     """Whether a new stream is refused; one that is still taken is ended at once."""
     try:
-        call, _ = await exchange(stub, headers("/v1/models"))
+        call, _ = await exchange(stub, headers("/v1/models", {":method": "GET"}))
     except grpc.aio.AioRpcError as refused:
         return bool(refused.code() == grpc.StatusCode.UNAVAILABLE)
     await call.done_writing()

@@ -125,7 +125,9 @@ async def test_a_sampled_exchange_is_marked_in_the_request_headers_answer(tmp_pa
 
 async def test_unguarded_paths_are_never_sampled(tmp_path: Path) -> None:
     async with running(tmp_path, response_sample=1.0) as (_, stub):
-        _, (answer,) = await exchange(stub, headers("/v1/models", {"x-request-id": "r1"}))
+        _, (answer,) = await exchange(
+            stub, headers("/v1/models", {":method": "GET", "x-request-id": "r1"})
+        )
         assert set_headers(answer.request_headers.response) == {}
 
 
@@ -217,3 +219,79 @@ async def test_a_sampled_release_waits_for_its_response_then_goes_without_it() -
     completions.released("lost")
     assert len(recorded) == 3 and len(completions) == 0
     await asyncio.sleep(0)
+
+
+# --- the Responses and Messages APIs ----------------------------------------------------------
+
+
+def _named(*events: tuple[str, dict[str, Any]]) -> bytes:
+    """Server-sent events as vLLM's Responses and Messages APIs write them: named."""
+    return b"".join(
+        f"event: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+        for name, data in events
+    )
+
+
+def test_responses_answers_give_their_output_tokens() -> None:
+    usage = {"input_tokens": 11, "output_tokens": 7, "total_tokens": 18}
+    whole = {"object": "response", "status": "completed", "incomplete_details": None}
+    assert _read(json.dumps({**whole, "usage": usage}).encode()) == Produced(
+        7, "completed", "usage"
+    )
+    cut = {**whole, "status": "incomplete", "incomplete_details": {"reason": "max_output_tokens"}}
+    assert _read(json.dumps({**cut, "usage": usage}).encode()) == Produced(
+        7, "max_output_tokens", "usage"
+    )
+    started = {"status": "in_progress", "usage": None}
+    delta = {"delta": "tok ", "type": "response.output_text.delta"}
+    stream = _named(
+        ("response.created", {"response": started, "type": "response.created"}),
+        *[("response.output_text.delta", delta)] * 5,
+        ("response.reasoning_text.delta", {"delta": "hm", "type": "response.reasoning_text.delta"}),
+        ("response.output_text.done", {"text": "…", "type": "response.output_text.done"}),
+        ("response.completed", {"response": {**cut, "usage": usage}, "type": "response.completed"}),
+    )
+    for cut_at in (1, 9, 60, len(stream) // 2, len(stream) - 2):
+        reader = BodyReader()
+        reader.feed(stream[:cut_at])
+        reader.feed(stream[cut_at:])
+        assert reader.events == 6  # its deltas, one a token
+        assert reader.done() == Produced(7, "max_output_tokens", "usage")
+    # Cut before its last event: what streamed is all it says.
+    assert _read(stream[: stream.index(b"event: response.output_text.done")]) == Produced(
+        6, None, "events"
+    )
+
+
+def test_messages_answers_give_their_output_tokens() -> None:
+    whole = {
+        "type": "message",
+        "content": [{"type": "text", "text": "hi"}],
+        "stop_reason": "end_turn",
+        "usage": {"input_tokens": 11, "output_tokens": 3},
+    }
+    assert _read(json.dumps(whole).encode()) == Produced(3, "end_turn", "usage")
+    start = {"type": "message_start", "message": {**whole, "content": [], "stop_reason": None}}
+    start["usage"] = {"input_tokens": 11, "output_tokens": 0}  # the prompt's: nothing produced
+    delta = {
+        "type": "content_block_delta",
+        "index": 0,
+        "delta": {"type": "text_delta", "text": "a"},
+    }
+    final = {
+        "type": "message_delta",
+        "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
+        "usage": {"input_tokens": 11, "output_tokens": 4},
+    }
+    stream = _named(
+        ("message_start", start),
+        ("content_block_start", {"type": "content_block_start", "index": 0}),
+        *[("content_block_delta", delta)] * 4,
+        ("content_block_stop", {"type": "content_block_stop", "index": 0}),
+        ("message_delta", final),
+        ("message_stop", {"type": "message_stop"}),
+    )
+    assert _read(stream) == Produced(4, "max_tokens", "usage")
+    assert _read(stream[: stream.index(b"event: message_delta")]) == Produced(4, None, "events")
+    # With CRLF line ends, as other servers write them.
+    assert _read(stream.replace(b"\n", b"\r\n")).completion_tokens == 4

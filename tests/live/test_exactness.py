@@ -68,6 +68,13 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "chat-one-user": chat([user("Say hello in French.")]),
     "chat-system": chat([{"role": "system", "content": "Answer in verse."}, user("Why?")]),
     "chat-empty-system": chat([{"role": "system", "content": ""}, user("hi")]),
+    "chat-developer": chat(
+        [
+            {"role": "system", "content": "Top."},
+            user("hi"),
+            {"role": "developer", "content": "Be terse."},
+        ]
+    ),
     "chat-multi-turn": chat(TURNS),
     "chat-unicode": chat([user(UNICODE)]),
     "chat-code": chat([user(CODE)]),

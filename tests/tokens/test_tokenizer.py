@@ -503,6 +503,24 @@ def _cases() -> list[Case]:
                 {"role": "user", "content": TEXTS["long"]},
             ],
         ),
+        # Qwen's template never names the developer role: vLLM renders it as a system message,
+        # and merges system messages into one at the start when there are several.
+        Case(
+            "developer-alone",
+            [{"role": "developer", "content": "Be brief."}, ask],
+            ref=[{"role": "system", "content": "Be brief."}, ask],
+        ),
+        Case(
+            "developer-after-system",
+            [
+                {"role": "system", "content": SYSTEM},
+                ask,
+                {"role": "developer", "content": [{"type": "text", "text": "Be"}, "brief."]},
+                {"role": "system", "content": ""},
+                ask,
+            ],
+            ref=[{"role": "system", "content": f"{SYSTEM}\n\nBe\nbrief."}, ask, ask],
+        ),
     ]
     return cases
 
@@ -885,3 +903,22 @@ def test_a_template_that_amplifies_its_input_is_cut_off() -> None:
             continue_final_message=False,
             variables={},
         )
+
+
+def test_a_template_that_names_the_developer_role_gets_it(tmp_path: Path) -> None:
+    template = tmp_path / "developer.jinja"
+    template.write_text(
+        "{% for m in messages %}{% if m.role == 'developer' %}D:{% endif %}"
+        "{{ m.role }}={{ m.content }};{% endfor %}"
+    )
+    tokenizer = PoolTokenizer.load(model_dir("qwen"), template)
+    messages = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "u"},
+        {"role": "developer", "content": "d"},
+    ]
+    assert tokenizer.render_chat({"messages": messages}) == "system=s;user=u;D:developer=d;"
+    # Without the name, vLLM's conversion: one system message at the start.
+    template.write_text("{% for m in messages %}{{ m.role }}={{ m.content }};{% endfor %}")
+    tokenizer = PoolTokenizer.load(model_dir("qwen"), template)
+    assert tokenizer.render_chat({"messages": messages}) == "system=s\n\nd;user=u;"
