@@ -145,7 +145,7 @@ class Service:
                 config.ledger.on_unavailable,
             ),
             self.calibration,
-            hold_s=self.keeper.holds.hold_s,
+            decode_rate=self.discovery.decode_rate,
             queue=self.queue,
         )
         # The share of guarded exchanges whose response is read: the configuration's, unless the

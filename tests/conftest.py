@@ -37,9 +37,12 @@ def kvguard_config(
     default_tier: str | None = "free",
     shadow: bool = False,
     expose_limit_header: bool = True,
+    retry_after_max_seconds: float = 30.0,
     **server: Any,
 ) -> dict[str, Any]:
-    """A configuration with one pool `qwen` (model "qwen") on the real Qwen tokenizer."""
+    """A configuration with one pool `qwen` (model "qwen") on the real Qwen tokenizer. Its
+    429s promise retries (`retry_after_max_seconds`, 0 by default in kvguard): what the tests
+    of refusals read."""
     return {
         "server": {"grpc_listen": f"127.0.0.1:{grpc_port}", "metrics_listen": "", **server},
         "ledger": {"url": "memory://", "lease_seconds": 60},
@@ -63,6 +66,7 @@ def kvguard_config(
                 "max_model_len": max_model_len,
                 "watermark": watermark,
                 "capacity": {"blocks": blocks, "block_size": block_size},
+                "retry_after_max_seconds": retry_after_max_seconds,
             }
         ],
     }

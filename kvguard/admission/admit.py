@@ -20,11 +20,11 @@ from kvguard.admission.calibration import Calibration, Growth
 from kvguard.admission.capacity import Capacities
 from kvguard.admission.decide import RETRY_AFTER_S, SHADOWABLE
 from kvguard.admission.policy import Identity, Policy
-from kvguard.admission.promises import DEFAULT_HOLD_S, retry_key, terms
+from kvguard.admission.promises import retry_key, terms
 from kvguard.admission.queue import AdmissionQueue, QueueFull
 from kvguard.admission.record import Decision
 from kvguard.config.schema import Queue as QueueSettings
-from kvguard.errors import Code, Refusal
+from kvguard.errors import Code, Refusal, invalid
 from kvguard.ledger import Claim, Lease, Ledger, LedgerUnavailable, Outcome, Reservation
 from kvguard.tokens.counting import PromptCounter
 from kvguard.tokens.request import Kind, parse
@@ -53,7 +53,8 @@ class Admitted:
     # word, not headers a client could send) and its route turns `max_tokens` into
     # x-kvguard-max-tokens.
     metadata: dict[str, str] = field(default_factory=dict)
-    # How its lease grows as it decodes; None when it reserved its whole limit.
+    # How its lease follows its request as it decodes: its blocks, when it reserved less than
+    # its limit, and when it is expected to end.
     growth: Growth | None = None
     sequences: int = 1  # prompts x n: what it produces is shared by this many sequences
 
@@ -79,7 +80,7 @@ class Admission:
         calibration: Calibration | None = None,
         clock: Callable[[], float] = time.monotonic,
         *,
-        hold_s: Callable[[str], float] = lambda _pool: DEFAULT_HOLD_S,
+        decode_rate: Callable[[str], float | None] = lambda _pool: None,
         rng: random.Random | None = None,
         queue: AdmissionQueue | None = None,
     ) -> None:
@@ -90,7 +91,9 @@ class Admission:
         # Learnt output lengths, for pools and tiers in calibrated mode; None: worst case always.
         self.calibration = calibration
         self.clock = clock
-        self.hold_s = hold_s  # seconds a reserved block of a pool stays reserved (promises)
+        # Tokens a second per sequence a pool decodes (None: unknown): when a lease is
+        # expected to end, what a refusal's time is told from.
+        self.decode_rate = decode_rate
         self.rng = rng or random.Random()  # the jitter of promised retry times
         self.queue = queue  # where refused requests wait, in pools with a queue
 
@@ -172,6 +175,14 @@ class Admission:
         plan = decide.plan(counted, pool.config, identity.tenant, identity.tier, capacity, estimate)
         limits = plan.limits
         decision.requested_max_tokens, decision.max_tokens = limits.requested, limits.max_tokens
+        # Messages' thinking budget must stay below the limit: vLLM refuses the request else.
+        if request.thinking_budget and limits.max_tokens <= request.thinking_budget:
+            raise invalid(
+                f"thinking.budget_tokens is {request.thinking_budget}, not below the "
+                f"{limits.max_tokens} tokens this request may generate (this tenant's cap is "
+                f"{identity.tier.max_tokens_cap})",
+                "thinking.budget_tokens",
+            )
         decision.blocks, decision.reserved_output = plan.blocks, plan.reserved_output
         decision.reserved_from = plan.reserved_from
         # A calibrated claim fits beside what vLLM holds beyond the ledger's count, too.
@@ -179,7 +190,7 @@ class Admission:
         if self.calibration is not None:
             unaccounted = self.calibration.engine.unaccounted(pool.name)
         # Shadow mode promises nothing: its refusals pass, and a promise would hold blocks.
-        promise = None if policy.shadow else terms(pool.config, self.hold_s(pool.name), self.rng)
+        promise = None if policy.shadow else terms(pool.config, self.rng)
         key = retry_key(identity.tenant, raw, retry_token) if promise is not None else ""
         claim = decide.claim(
             plan,
@@ -188,6 +199,7 @@ class Admission:
             unaccounted,
             retry_key=key,
             terms=promise,
+            decode_rate=self.decode_rate(pool.name),
         )
         body = None  # built before the reserve: nothing may fail between it and the answer
         if limits.fields != request.limits:
@@ -222,18 +234,16 @@ class Admission:
             headers_out = decide.rate_limit(reservation, claim).headers()
             metadata["ratelimit"] = headers_out["ratelimit"]
             metadata["ratelimit_policy"] = headers_out["ratelimit-policy"]
-        growth = None
-        if plan.reserved_output < limits.max_tokens:
-            growth = Growth(
-                pool.name,
-                tuple(prompt_tokens),
-                request.n,
-                capacity.block_size,
-                limits.max_tokens,
-                plan.reserved_output,
-                now,
-                estimate,
-            )
+        growth = Growth(
+            pool.name,
+            tuple(prompt_tokens),
+            request.n,
+            capacity.block_size,
+            limits.max_tokens,
+            plan.reserved_output,
+            now,
+            estimate,
+        )
         return Admitted(
             pool.name,
             lease,

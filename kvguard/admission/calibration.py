@@ -8,7 +8,8 @@
   estimate (1: the estimate; 0: the worst case). Preemptions halve the trust at once; readings
   without preemptions give it back slowly (additive increase, multiplicative decrease).
 - `Growth` follows a lease's request as it decodes: elapsed time times the pool's decode rate, or
-  the tokens seen in its stream, up to its limit.
+  the tokens seen in its stream, up to its limit; and when it is expected to end, its limit less
+  what it produced at that rate.
 
 Pure data and arithmetic: times are arguments, nothing here reads a clock or does I/O, so that
 `serve` and `kvguard simulate` feed and read the same objects.
@@ -41,8 +42,14 @@ MAX_QUIET_S = 30.0
 # KV cache this full is taken as the same sign, at once.
 PRESSURE_SHARE = 0.98
 # A decode rate (tokens per second per sequence) assumed until vLLM reports one: fast, so that
-# leases grow early rather than late.
+# leases grow early rather than late (and a refusal is told to come back early, not late).
 DEFAULT_DECODE_RATE = 100.0
+
+
+def ends_in_s(output_tokens: float, tokens_per_s: float | None) -> float:
+    """Seconds until a request with `output_tokens` left to produce per sequence is expected to
+    end, at the pool's decode rate (DEFAULT_DECODE_RATE while it is unknown)."""
+    return max(0.0, output_tokens) / (tokens_per_s or DEFAULT_DECODE_RATE)
 
 
 def reservation_mode(pool: Pool, tier: Tier) -> str:
@@ -275,6 +282,14 @@ class Growth:
             output = max(output, replace(self.estimate, trust=trust).reserve(self.limit))
         return blocks_needed(list(self.prompt_tokens), min(self.limit, output), self.n,
                              self.block_size)  # fmt: skip
+
+    def ends_in_s(self, now: float, tokens_per_s: float | None, seen: int | None = None) -> float:
+        """Seconds from `now` until it is expected to end: its limit less what it produced (the
+        `seen` tokens of its stream per sequence, else the elapsed time at the rate), at the
+        rate."""
+        rate = tokens_per_s or DEFAULT_DECODE_RATE
+        produced = seen if seen is not None else max(0.0, now - self.admitted_at) * rate
+        return ends_in_s(self.limit - produced, rate)
 
     @property
     def grows(self) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from kvguard.admission.calibration import Estimate
+from kvguard.admission.calibration import Estimate, ends_in_s
 from kvguard.admission.capacity import PoolCapacity
 from kvguard.admission.estimate import Limits, blocks_needed, clamp
 from kvguard.admission.promises import RETRY_TOKEN_HEADER, RateLimit
@@ -131,12 +131,14 @@ def claim(
     *,
     retry_key: str = "",
     terms: Terms | None = None,
+    decode_rate: float | None = None,
 ) -> Claim:
     """The claim to reserve for `plan`. Raises Refusal (400) when the whole limit needs more
     blocks than the tenant's quota or the pool's limit: no ledger state could ever grant it (a
     calibrated lease may grow to the whole limit). `unaccounted`: blocks vLLM holds beyond the
     ledger's count, taken off the pool's limit for a calibrated plan. With `terms` and a
-    `retry_key`, a refusal is promised a slot (kvguard.ledger)."""
+    `retry_key`, a refusal is promised a slot (kvguard.ledger). Its lease is expected to end
+    when its output limit is produced at `decode_rate` (tokens per second per sequence)."""
     need = max(plan.blocks, plan.worst_blocks)
     if need > plan.quota or need > plan.pool_limit:
         raise Refusal(
@@ -156,6 +158,7 @@ def claim(
         lease_seconds,
         retry_key,
         terms,
+        ends_in_s(plan.limits.max_tokens, decode_rate),
     )
 
 
@@ -167,11 +170,11 @@ def claim_limit(pool_limit: int, calibrated: bool, unaccounted: int) -> int:
 
 def rate_limit(reservation: Reservation, claim: Claim) -> RateLimit:
     """Where the claim's tenant stands after the ledger's answer: its quota, the blocks it
-    could reserve now (within its quota and the pool's limit, beside the blocks held for
-    promised retries), and for a refusal the seconds until its blocks are expected free."""
+    could reserve now (within its quota and the pool's limit, beside the blocks held for its
+    own promised retries), and for a refusal the seconds until its blocks are expected free."""
     remaining = min(
-        claim.tenant_quota - reservation.tenant_reserved - reservation.tenant_holding,
-        claim.pool_limit - reservation.pool_reserved - reservation.pool_holding,
+        claim.tenant_quota - reservation.tenant_reserved - reservation.holding,
+        claim.pool_limit - reservation.pool_reserved - reservation.holding,
     )
     return RateLimit(claim.tenant_quota, remaining, reservation.wait_s)
 
@@ -212,8 +215,8 @@ def refusal(
     if reservation.promised:
         headers[RETRY_TOKEN_HEADER] = claim.retry_key
         message = (
-            f"{refused.message}; its blocks are held for this request's retry at the time "
-            "retry-after-ms gives"
+            f"{refused.message}; this request's retry at the time retry-after-ms gives goes "
+            "before this tenant's later requests"
         )
     else:
         message = f"{refused.message}; room is expected at the time retry-after-ms gives"

@@ -1,4 +1,5 @@
-"""The leases of open streams: renewed while their response runs, released exactly once."""
+"""The leases of open streams: renewed while their response runs, released exactly once, their
+blocks and expected ends following their requests."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import time
 from collections.abc import Callable
 
 from kvguard.admission.calibration import DEFAULT_DECODE_RATE, Growth
-from kvguard.admission.promises import HoldTimes
 from kvguard.ledger import Lease, Ledger
 
 # Lease goes with the keeper: callers hold leases without importing the ledger.
@@ -17,17 +17,23 @@ __all__ = ["Lease", "LeaseKeeper"]
 
 log = logging.getLogger(__name__)
 
-# How often growing leases are raised to what their requests hold by now, and how far ahead
-# of it a lease that must grow is raised (so that it grows once every few seconds, not at
-# every tick).
+# How often growing leases are raised to what their requests hold by now (and leases' expected
+# ends checked), and how far ahead of it a lease that must grow is raised (so that it grows once
+# every few seconds, not at every tick).
 GROW_INTERVAL_S = 1.0
 GROW_AHEAD_S = 1.0
+# A lease's expected end is sent again when it moved by more than this share of the time left,
+# and at least GROW_INTERVAL_S (a rate that changed, a stream seen to be behind or ahead).
+END_TOLERANCE = 0.1
 
 
 class LeaseKeeper:
     """Owns every lease this process holds until its stream ends.
 
-    `release` is safe to call any number of times: only the first call reaches the ledger.
+    `release` is safe to call any number of times: only the first call reaches the ledger. A
+    lease held with its `Growth` tells the ledger when it is expected to end (its limit less
+    what it produced, at its pool's decode rate) whenever that moves, and its blocks follow its
+    request when it reserved less than its limit.
     """
 
     def __init__(
@@ -39,7 +45,6 @@ class LeaseKeeper:
         decode_rate: Callable[[str], float | None] = lambda _pool: None,
         trust: Callable[[str], float] = lambda _pool: 1.0,
         grow_ahead_s: float = GROW_AHEAD_S,
-        holds: HoldTimes | None = None,
         on_released: Callable[[str], None] = lambda _pool: None,
     ) -> None:
         self._ledger = ledger
@@ -49,27 +54,32 @@ class LeaseKeeper:
         self._trust = trust  # how far a pool's reservations trust their estimate (the loop)
         self._grow_ahead_s = grow_ahead_s
         self._open: dict[str, Lease] = {}
-        # How long leases were held, learnt as they end: what a refusal's promise reads.
-        self.holds = holds if holds is not None else HoldTimes()
-        self._since: dict[str, float] = {}  # lease id -> when it was first held
         self._held: dict[tuple[str, str], int] = {}  # (pool, tenant) -> blocks held
         self._on_released = on_released  # a release reached the ledger: blocks are free
-        self._growing: dict[str, Growth] = {}
-        self._seen: dict[str, int] = {}  # output tokens seen in a growing lease's stream
+        self._progress: dict[str, Growth] = {}  # lease id -> how it follows its request
+        self._growing: set[str] = set()  # of those, the leases whose blocks grow
+        self._seen: dict[str, int] = {}  # output tokens per sequence seen in its stream
+        self._told: dict[str, float] = {}  # lease id -> the end the ledger expects (this clock)
         self._releasing: set[asyncio.Task[None]] = set()
 
     def hold(self, lease: Lease, growth: Growth | None = None) -> None:
-        """Hold `lease` until its stream ends; with `growth`, its blocks follow its request."""
+        """Hold `lease` until its stream ends; with `growth`, its expected end (and its blocks,
+        when it reserved less than its limit) follow its request."""
         held = self._open.get(lease.lease_id)
         self._count(lease, lease.blocks - (held.blocks if held is not None else 0))
         self._open[lease.lease_id] = lease
-        self._since.setdefault(lease.lease_id, self._clock())
-        if growth is not None and growth.grows:
-            self._growing[lease.lease_id] = growth
+        if growth is not None and lease.lease_id not in self._progress:
+            self._progress[lease.lease_id] = growth
+            # What its claim told the ledger: its whole limit at the rate of now.
+            self._told[lease.lease_id] = growth.admitted_at + growth.ends_in_s(
+                growth.admitted_at, self._decode_rate(growth.pool)
+            )
+            if growth.grows:
+                self._growing.add(lease.lease_id)
 
     def seen(self, lease_id: str, tokens: int) -> None:
         """`tokens` output tokens (of all its sequences) were seen in the lease's stream."""
-        growth = self._growing.get(lease_id)
+        growth = self._progress.get(lease_id)
         if growth is not None:
             self._seen[lease_id] = -(-tokens // (len(growth.prompt_tokens) * growth.n))
 
@@ -79,8 +89,7 @@ class LeaseKeeper:
         held = self._open.pop(lease_id, None)
         if held is not None:
             self._count(held, -held.blocks)
-        self._since.pop(lease_id, None)
-        self._stop_growing(lease_id)
+        self._stop_following(lease_id)
 
     def release(self, lease: Lease) -> None:
         """Start releasing `lease` if it is still held; never raises, never blocks."""
@@ -88,10 +97,7 @@ class LeaseKeeper:
         if held is None:
             return
         self._count(held, -held.blocks)
-        since = self._since.pop(lease.lease_id, None)
-        if since is not None:  # its blocks as counted, grown ones included
-            self.holds.record(held.pool, held.blocks, self._clock() - since)
-        self._stop_growing(lease.lease_id)
+        self._stop_following(lease.lease_id)
         self._start_release(lease)
 
     def held_blocks(self, pool: str, tenant: str) -> int:
@@ -113,9 +119,11 @@ class LeaseKeeper:
         if lease.lease_id not in self._open:
             self._start_release(lease)
 
-    def _stop_growing(self, lease_id: str) -> None:
-        self._growing.pop(lease_id, None)
+    def _stop_following(self, lease_id: str) -> None:
+        self._progress.pop(lease_id, None)
+        self._growing.discard(lease_id)
         self._seen.pop(lease_id, None)
+        self._told.pop(lease_id, None)
 
     def _start_release(self, lease: Lease) -> None:
         # A task of its own: the stream that ends may be cancelled itself.
@@ -137,8 +145,19 @@ class LeaseKeeper:
         return len(self._open)
 
     def snapshot(self) -> list[Lease]:
-        """The leases held now (open streams), for re-asserting them in the ledger."""
-        return list(self._open.values())
+        """The leases held now (open streams), each with when it is expected to end where that
+        is known, for re-asserting them in the ledger."""
+        now = self._clock()
+        out = []
+        for lease_id, lease in self._open.items():
+            growth = self._progress.get(lease_id)
+            if growth is not None:
+                ends = growth.ends_in_s(
+                    now, self._decode_rate(growth.pool), self._seen.get(lease_id)
+                )
+                lease = dataclasses.replace(lease, ends_in_s=ends)
+            out.append(lease)
+        return out
 
     async def renew_forever(self) -> None:
         """Renew open leases every third of the lease time, so a long stream keeps its blocks."""
@@ -157,36 +176,46 @@ class LeaseKeeper:
         return await self._reassert(self.snapshot())
 
     async def grow_forever(self, interval_s: float = GROW_INTERVAL_S) -> None:
-        """Raise growing leases to what their requests hold, every `interval_s` seconds."""
+        """Every `interval_s` seconds, raise growing leases to what their requests hold and
+        tell the ledger the expected ends that moved."""
         while True:
             await asyncio.sleep(interval_s)
             try:
                 await self.grow_all()
             except Exception:
-                log.exception("growing %d leases failed", len(self._growing))
+                log.exception("following %d leases failed", len(self._progress))
 
     async def grow_all(self) -> list[Lease]:
         """Count each growing lease's blocks as its request holds them by now (the elapsed time
         at its pool's decode rate, or the tokens seen in its stream, whichever is more; its
         estimate reserved again when the loop lost trust since), and when that is more than it
-        counts, as it will hold `grow_ahead_s` later; in one re-assert of the leases that grew,
-        always granted, so that the ledger tells the truth. Returns them."""
+        counts, as it will hold `grow_ahead_s` later; and each lease's expected end (its limit
+        less what it produced, at the rate) where it moved. One re-assert of the leases that
+        changed, always granted, so that the ledger tells the truth. Returns those that grew."""
         now = self._clock()
         grown: list[Lease] = []
-        for lease_id, growth in list(self._growing.items()):
+        changed: list[Lease] = []
+        for lease_id, growth in list(self._progress.items()):
             lease = self._open[lease_id]
             rate = self._decode_rate(growth.pool) or DEFAULT_DECODE_RATE
-            trust = self._trust(growth.pool)
-            seen = self._seen.get(lease_id, 0)
-            blocks = growth.blocks_at(now, rate, seen, trust)
-            if blocks > lease.blocks:
-                blocks = growth.blocks_at(now + self._grow_ahead_s, rate, seen, trust)
-                self._count(lease, blocks - lease.blocks)
-                lease = self._open[lease_id] = dataclasses.replace(lease, blocks=blocks)
-                grown.append(lease)
-            if blocks >= growth.limit_blocks:
-                self._stop_growing(lease_id)  # at its limit: the worst case, nothing to follow
-        await self._reassert(grown)
+            seen = self._seen.get(lease_id)
+            grew = False
+            if lease_id in self._growing:
+                trust = self._trust(growth.pool)
+                blocks = growth.blocks_at(now, rate, seen or 0, trust)
+                if blocks > lease.blocks:
+                    blocks = growth.blocks_at(now + self._grow_ahead_s, rate, seen or 0, trust)
+                    self._count(lease, blocks - lease.blocks)
+                    lease = self._open[lease_id] = dataclasses.replace(lease, blocks=blocks)
+                    grown.append(lease)
+                    grew = True
+                if blocks >= growth.limit_blocks:
+                    self._growing.discard(lease_id)  # at its limit: nothing more to grow
+            ends = growth.ends_in_s(now, rate, seen)
+            if grew or _moved(self._told[lease_id], now + ends, now):
+                self._told[lease_id] = now + ends
+                changed.append(dataclasses.replace(lease, ends_in_s=ends))
+        await self._reassert(changed)
         return grown
 
     async def _reassert(self, leases: list[Lease]) -> int:
@@ -214,3 +243,10 @@ class LeaseKeeper:
         for lease in list(self._open.values()):
             self.release(lease)
         await self.settle()
+
+
+def _moved(told: float, end: float, now: float) -> bool:
+    """Whether a lease expected to end at `end` should tell the ledger, which expects `told`:
+    a lease past its end counts as ending now either way."""
+    told, end = max(told, now), max(end, now)
+    return abs(end - told) > max(GROW_INTERVAL_S, END_TOLERANCE * (end - now))

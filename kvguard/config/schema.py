@@ -251,13 +251,15 @@ class Capacity(_Strict):
     """Static (`blocks` usable blocks of `block_size` tokens) or discovered: from `endpoints`,
     the base URLs of the pool's vLLM servers, or from `service`, the `name:port` of a headless
     Service whose DNS records (A and AAAA, resolved again at every refresh) are its servers;
-    their /metrics are read every `refresh_seconds`."""
+    their /metrics are read every `refresh_seconds`, with the Bearer key held in
+    `api_key_file` when one is named (the file, not the key, is configured)."""
 
     blocks: PositiveInt | None = None
     block_size: PositiveInt | None = None
     endpoints: list[str] | None = None
     service: str | None = None
     refresh_seconds: Annotated[float, Field(gt=0, le=3600)] = 10.0
+    api_key_file: str | None = None
 
     @property
     def discovered(self) -> bool:
@@ -278,6 +280,20 @@ class Capacity(_Strict):
                 (("refresh_seconds",), "applies only to discovered capacity (endpoints)")
             )
         problems: list[tuple[Key, str]] = []
+        if self.api_key_file is not None:
+            # Never quoted: a value that is not a path may be the key itself, pasted in.
+            if not self.discovered:
+                problems.append(
+                    (("api_key_file",), "applies only to discovered capacity (endpoints, service)")
+                )
+            elif not self.api_key_file.startswith("/") or "\n" in self.api_key_file:
+                problems.append(
+                    (
+                        ("api_key_file",),
+                        "give the absolute path of a file that holds the key (a mounted "
+                        "Secret), never the key itself",
+                    )
+                )
         if self.service is not None:
             try:
                 if _listen_port(self.service, host_required=True) == 0:
@@ -363,9 +379,10 @@ class Pool(_Strict):
     capacity: Capacity
     media_tokens: dict[str, PositiveInt] = {}  # tokens counted per media part of that type
     reservation: Reservation = Reservation()
-    # A 429 promises the client a time to retry at, its blocks then held for it, when that
-    # time is at most this far; past it the client is told not to retry. 0 makes no promises.
-    retry_after_max_seconds: Annotated[float, Field(ge=0, le=3600)] = 30.0
+    # A 429 promises the client a time to retry at (when the leases are expected to end),
+    # when that time is at most this far; past it the client is told not to retry. 0 (the
+    # default, chosen by measurement: docs/performance.md) makes no promises.
+    retry_after_max_seconds: Annotated[float, Field(ge=0, le=3600)] = 0.0
     queue: Queue = Queue()
 
     @model_validator(mode="after")

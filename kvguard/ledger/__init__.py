@@ -10,17 +10,19 @@ after it was admitted (a running request's reservation raised as it decodes): `r
 more blocks than the ledger counts raises them, without any check, and never lowers them;
 `release` gives back what the ledger counts, grown or not.
 
+A lease is expected to end when its claim (or its latest `reassert`) says: `ends_in_s`, its
+remaining output at the pool's inter-token time; without one, at its expiry.
+
 A refused claim that carries `Terms` and a `retry_key` may be promised a slot (docs/design.md,
-"Retry-After as a promise"): the time when its blocks are expected free, counting the promises
-made before it. Its blocks are held from when the drain is expected to have freed what is ahead
-of it until the slot's grace ends: they then count against every other claim (but not against
-the promises made before it), and the retry with the same key and tenant takes them. A claim
-whose tenant is over its quota holds only that quota (it waits for its tenant's own leases,
-whose end frees the pool too; the pool's other tenants are not kept from it); one refused for
-the pool alone holds the pool's blocks too. A tenant
-has at most PROMISE_BUDGET promises open, doubled each time a promised client comes back and
-halved each time one does not; past it, or at 0 until `max_wait_s` after that, a refusal is
-told the time, with nothing held.
+"Retry-After as a promise"): the time when enough leases are expected to end for it to fit
+beside the blocks promised to its own tenant before it (the tenant's leases for its quota, the
+pool's for the pool's limit). Tenant isolation comes first: another tenant's claims never count
+a promise, held or not. Nothing is held for a promise until its client comes back: a retry back
+at or after its time that does not fit yet holds its blocks until the slot's grace ends, and
+they count against its own tenant's later claims only (its quota, and the pool as that tenant
+sees it); the retry takes them once they fit. A tenant has at most PROMISE_BUDGET promises
+open, doubled each time a promised client comes back and halved each time one does not; past
+it, or at 0 until `max_wait_s` after that, a refusal is told the time, with nothing held.
 """
 
 from __future__ import annotations
@@ -31,9 +33,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-# The ledger measures how fast each pool (and each tenant in it) frees blocks, decayed over
-# this many seconds.
-DRAIN_WINDOW_S = 10.0
 # Promises a tenant may have open until its clients have shown whether they come back; each
 # that comes back doubles it (up to the most), each that does not halves it.
 PROMISE_BUDGET = 4
@@ -42,17 +41,13 @@ MAX_PROMISE_BUDGET = 1024
 
 @dataclass(frozen=True, slots=True)
 class Terms:
-    """How a refused claim is promised a slot. A claim that needs `over` blocks beyond its
-    quota or the pool's limit, promises before it included, is expected to fit once releases
-    have freed them: at the faster of the rate the ledger measured over DRAIN_WINDOW_S and
-    `reserved / hold_s` blocks a second (the blocks reserved now, each held `hold_s`), in
-    releases of the size measured (of the claim's size until one is), on average; a retry
-    back at its time waits for what has not freed yet, its blocks held for it meanwhile."""
+    """How a refused claim is promised a slot: when the leases expected to end first (in order
+    of their expected ends) have freed what it needs beyond its quota or the pool's limit, its
+    tenant's promises before it included."""
 
-    hold_s: float  # mean seconds a reserved block stays reserved in the pool
     max_wait_s: float  # no slot later than this: the client is told not to retry
     jitter_s: float  # added to the slot's time, the time the client is told to retry at
-    grace_s: float  # how long past that time the blocks are held for the retry
+    grace_s: float  # how long past that time a retry that came back may wait for its blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +64,9 @@ class Claim:
     # The request as its retry will be recognised (its promise's key); "" makes no promise.
     retry_key: str = ""
     terms: Terms | None = None  # None: a refusal says nothing of when to retry
+    # Seconds until the lease is expected to end: its output limit at the pool's inter-token
+    # time. None: at its expiry.
+    ends_in_s: float | None = None
 
     def lease(self) -> Lease:
         """The lease this claim takes when admitted."""
@@ -87,6 +85,9 @@ class Lease:
     pool: str
     tenant: str
     blocks: int
+    # As sent to `reassert`: seconds from then until it is expected to end (its remaining
+    # output at the pool's inter-token time); None keeps what the ledger has.
+    ends_in_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,21 +96,21 @@ class Reservation:
     pool_reserved: int  # blocks reserved in the pool after this step
     tenant_reserved: int  # blocks reserved by the tenant after this step
     lease: Lease | None = None
-    # Refused with Terms: seconds until the claim is expected to fit (inf when it cannot be
-    # told), the seconds until its retry (None: not within max_wait_s), and whether its blocks
-    # are held for that retry (a promise), or the time is only told.
+    # Refused with Terms: seconds until the claim is expected to fit (inf when the leases'
+    # expected ends cannot free enough), the seconds until its retry (None: not within
+    # max_wait_s), and whether it is promised that slot, or the time is only told.
     wait_s: float = 0.0
     retry_after_s: float | None = None
     promised: bool = False
-    # Refused: seconds until a lease or a promise ends (or a promise starts holding) by itself,
-    # a moment when room may appear without a release; inf when nothing is due.
+    # Refused: seconds until a lease or a promise expires by itself, a moment when room may
+    # appear without a release; inf when nothing is due.
     changes_in_s: float = math.inf
     # Refused, back at its promise's time with its blocks not all free yet: how long they stay
     # held for it (the caller may wait that long for them); 0 otherwise.
     waiting_s: float = 0.0
-    # Blocks held for promised retries that this claim counted, in the pool and its tenant's.
-    pool_holding: int = 0
-    tenant_holding: int = 0
+    # Blocks held for its tenant's promised retries (back and waiting) that this claim counted,
+    # in its quota and in the pool alike; another tenant's are never counted.
+    holding: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +128,7 @@ class PoolUsage:
     tenants: dict[str, int] = field(default_factory=dict)
     promised: int = 0  # blocks promised to retries (not in `reserved`)
     promises: int = 0
-    holding: int = 0  # of the promised blocks, those held already
+    holding: int = 0  # of the promised blocks, those held for retries that came back
 
 
 class LedgerUnavailable(Exception):
@@ -141,15 +142,17 @@ class Ledger(Protocol):
         expired leases and promises. Raises LedgerUnavailable when the ledger cannot be
         reached.
 
-        Held promised blocks count as reserved: a claim fits when the tenant's reserved and
-        held blocks plus its own stay within its quota, and the pool's within its limit. A
-        claim whose `retry_key` (and tenant) holds a promise counts only the promises made
-        before its own, and takes its promise's blocks when admitted. A refused claim with
-        `terms` is told when it is expected to fit, counting every promise before it; with a
-        `retry_key` it is promised that slot when it is within `max_wait_s` and its tenant's
-        budget of open promises allows. A claim holding a promise whose time has not
-        come keeps it; one whose time has come that does not fit yet is told how long its
-        blocks stay held for it (`waiting_s`)."""
+        A claim fits when its tenant's reserved blocks, the blocks held for its tenant's
+        retries that came back and its own stay within its quota, and the pool's reserved
+        blocks with those same held ones within its limit: another tenant's promises never
+        count. A claim whose `retry_key` (and tenant) holds a promise counts only the held
+        promises of its tenant made before its own, and takes its promise when admitted. A
+        refused claim with `terms` is told when the leases expected to end first free what it
+        needs beyond its quota and the pool's limit, counting every promise its tenant has
+        before it; with a `retry_key` it is promised that slot when it is within `max_wait_s`
+        and its tenant's budget of open promises allows. A claim holding a promise whose time
+        has not come keeps it; one whose time has come that does not fit yet starts holding
+        its blocks and is told how long they stay held for it (`waiting_s`)."""
 
     async def release(self, lease: Lease) -> None:
         """Give back the blocks the ledger counts for the lease (grown ones included).
@@ -162,7 +165,8 @@ class Ledger(Protocol):
     async def reassert(self, leases: Iterable[Lease], lease_seconds: float) -> int:
         """Hold each lease for `lease_seconds` more: renew it, or record it again with
         `lease.blocks` and without any check when the ledger lost it (its request is running,
-        so the ledger must count it).
+        so the ledger must count it). A lease with `ends_in_s` is expected to end that many
+        seconds from now; one without keeps its expected end (recorded again: its expiry).
 
         A held lease whose `lease.blocks` is more than the blocks counted for it grows to
         `lease.blocks`: the pool's and the tenant's reserved blocks rise by the difference,

@@ -126,31 +126,30 @@ def pool_keys(pool: str) -> list[str]:
 
 
 def promise_keys(pool: str) -> list[str]:
-    """KEYS[6..17], after `pool_keys`: promises, promise order, promise sequence, promise
-    expiries, promised, promised tenants, promise holds, holding, holding tenants, unreturned,
-    promise budgets, promise counts (lib.lua)."""
+    """KEYS[6..15], after `pool_keys`: promises, promise lines, promise sequence, promise
+    expiries, promised, promised tenants, holding, holding tenants, unreturned, promise budgets
+    (lib.lua)."""
     tag = f"kvguard:{{{pool}}}"
     names = (
         "promises",
-        "promise-order",
+        "promise-lines",
         "promise-seq",
         "promise-expiries",
         "promised",
         "promised-tenants",
-        "promise-holds",
         "holding",
         "holding-tenants",
         "unreturned",
         "promise-budgets",
-        "promise-counts",
     )
     return [f"{tag}:{name}" for name in names]
 
 
-def drain_keys(pool: str) -> list[str]:
-    """KEYS[18..20], after `promise_keys`: drain, tenant drains, since (lib.lua)."""
+def end_keys(pool: str) -> list[str]:
+    """KEYS[16..17], after `promise_keys`: the leases' expected ends, the pool's and each
+    tenant's (lib.lua)."""
     tag = f"kvguard:{{{pool}}}"
-    return [f"{tag}:drain", f"{tag}:drain-tenants", f"{tag}:since"]
+    return [f"{tag}:ends", f"{tag}:tenant-ends"]
 
 
 def freed_channel(pool: str) -> str:
@@ -161,20 +160,29 @@ def freed_channel(pool: str) -> str:
 
 def all_keys(pool: str) -> list[str]:
     """The KEYS of every script for `pool` (lib.lua)."""
-    return [*pool_keys(pool), *promise_keys(pool), *drain_keys(pool)]
+    return [*pool_keys(pool), *promise_keys(pool), *end_keys(pool)]
 
 
 def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
 
+# The latest expected end sent, in seconds from now: 15 digits of ms in lib.lua's indexes.
+_MAX_ENDS_S = 1e9
+
+
+def _ends_arg(ends_in_s: float | None) -> Any:
+    """An expected end as the scripts take it: ms from now, or '' for none."""
+    if ends_in_s is None:
+        return ""
+    return round(min(max(ends_in_s, 0.0), _MAX_ENDS_S) * 1000)
+
+
 def _terms_args(terms: Terms | None) -> tuple[Any, ...]:
-    """reserve.lua's ARGV[8..11]: the hold time in seconds, then max wait, jitter and grace
-    in ms; none without terms."""
+    """reserve.lua's ARGV[9..11]: max wait, jitter and grace in ms; none without terms."""
     if terms is None:
         return ()
     return (
-        repr(terms.hold_s),
         round(terms.max_wait_s * 1000),
         round(terms.jitter_s * 1000),
         round(terms.grace_s * 1000),
@@ -338,6 +346,7 @@ class RedisLedger:
                     claim.tenant_quota,
                     _ms(claim.lease_seconds),
                     claim.retry_key,
+                    _ends_arg(claim.ends_in_s),
                     *_terms_args(claim.terms),
                 ),
             )
@@ -357,8 +366,7 @@ class RedisLedger:
             held,
             changes_ms,
             waiting_ms,
-            pool_holding,
-            tenant_holding,
+            holding,
         ) = answer
         self._saw_epoch(claim.pool, epoch)
         result = _OUTCOMES[int(outcome)]
@@ -375,8 +383,7 @@ class RedisLedger:
             bool(int(held)),
             _seconds(changes_ms, math.inf),
             int(waiting_ms) / 1000,
-            int(pool_holding),
-            int(tenant_holding),
+            int(holding),
         )
 
     async def release(self, lease: Lease) -> None:
@@ -438,7 +445,7 @@ class RedisLedger:
             for start in range(0, len(held), LEASES_PER_CALL):
                 args: list[Any] = [_ms(lease_seconds)]
                 for lease in held[start : start + LEASES_PER_CALL]:
-                    args += [lease.lease_id, lease.tenant, lease.blocks]
+                    args += [lease.lease_id, lease.tenant, lease.blocks, _ends_arg(lease.ends_in_s)]
                 count, _reserved, epoch = await self._run("reassert", all_keys(pool), args)
                 added += int(count)
                 # Not a reset to report: this very call has just re-asserted the leases.

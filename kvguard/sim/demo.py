@@ -79,6 +79,7 @@ def demo_config(sim_url: str, tokenizer: Path) -> dict[str, Any]:
                 "watermark": 0.15,
                 "capacity": {"endpoints": [sim_url], "refresh_seconds": 1},
                 "queue": {"max_wait_seconds": QUEUE_WAIT_S},
+                "retry_after_max_seconds": 30,  # past its wait, a 429 promises a time
             }
         ],
     }

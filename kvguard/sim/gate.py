@@ -13,7 +13,10 @@ In calibrated mode the gate learns as `serve` does: each `refresh_seconds` of si
 reads the engine as discovery reads vLLM's /metrics (the output lengths of the requests that
 finished, in vLLM's histogram buckets; new preemptions, for the loop; the decode rate), the
 `server.response_sample` share of requests teaches their tier and tenant what they produced,
-and the LeaseKeeper grows each lease every second as its request decodes.
+and the LeaseKeeper grows each lease every second as its request decodes. In every mode the
+decode rate is read each `refresh_seconds`, as discovery reads it: a claim's lease is expected
+to end when its limit is produced at that rate, and the LeaseKeeper moves its expected end as
+the rate does, which is what a refusal's time is told from.
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ from kvguard.admission.capacity import PoolCapacity
 from kvguard.admission.leases import GROW_INTERVAL_S, Lease, LeaseKeeper
 from kvguard.admission.outputs import Histogram, Observed, OutputLengths, Sampler
 from kvguard.admission.policy import known
-from kvguard.admission.promises import HoldTimes, retry_key, terms
+from kvguard.admission.promises import retry_key, terms
 from kvguard.config.schema import Config
 from kvguard.errors import Code, Refusal
+from kvguard.ledger import Claim, Reservation
 from kvguard.ledger.memory import MemoryLedger
 from kvguard.sim.trace import TraceRequest
 
@@ -97,10 +101,14 @@ class PolicyGate:
             outputs = OutputLengths(self.pool.reservation.window_seconds)
             self.calibration = Calibration(outputs)
         self._counted: dict[str, int] = {}  # lease id -> blocks the ledger counts (grown)
-        # Promises, as serve makes them: hold times learnt from the releases, seeded jitter.
-        self.holds = HoldTimes()
-        self._since: dict[str, float] = {}  # lease id -> when it was admitted
+        # Promises, as serve makes them: seeded jitter.
         self._rng = random.Random(seed)
+        self._queued: dict[str, float] = {}  # uid -> when its wait in the pool's queue ends
+        # Block-seconds that blocks held for other tenants' retries (or any not counted by the
+        # ledger's answer) kept a request that fits beside the leases refused, until it was
+        # decided again (the invariant of tenant isolation: always 0); its refusals pending.
+        self.fitting_refused_block_s = 0.0
+        self._fitting_refused: dict[str, tuple[float, int]] = {}
         self._sampler = Sampler(config.server.response_sample)
         self._rate: float | None = None  # decode tokens/s per sequence, as last read
         self.keeper = LeaseKeeper(
@@ -134,9 +142,10 @@ class PolicyGate:
         its prompt that sends the trace's `max_tokens` (none when it has none: kvguard injects
         the tier's default). It reserves its prompt and `reserve_output` output tokens (an
         oracle's; None: the calibrated estimate in calibrated mode, else the whole limit), as
-        `decide.plan` sizes them. A promised retry whose held blocks are not all free yet gets
-        a verdict with `wait_s`: it is decided again as blocks free, and with `final` once
-        its wait is over, as serve's does."""
+        `decide.plan` sizes them. A promised retry whose held blocks are not all free yet, and
+        in a pool with a queue a request refused for the quota or the watermark, gets a verdict
+        with `wait_s`: it is decided again as blocks free (promised nothing while it is
+        queued), and with `final` once its wait is over, as serve's is."""
         sent_limit = request.max_tokens
         unsized = sent_limit if sent_limit is not None else request.output_tokens
         try:
@@ -146,6 +155,7 @@ class PolicyGate:
         sent = {"max_tokens": sent_limit} if sent_limit is not None else {}
         counted = decide.Counted("completion", sent, [request.prompt_tokens])
         now = self._clock()
+        self._decided_again(uid, now)
         estimate = None
         if reserve_output is not None:
             estimate = Estimate(reserve_output, "oracle")
@@ -169,7 +179,7 @@ class PolicyGate:
                 unaccounted = self.calibration.engine.unaccounted(self.pool.name)
             promise = None
             if not self.shadow:
-                promise = terms(self.pool, self.holds.hold_s(self.pool.name), self._rng)
+                promise = terms(self.pool, self._rng)
             key = retry_key(identity.tenant, uid.encode()) if promise is not None else ""
             claim = decide.claim(
                 plan,
@@ -178,12 +188,24 @@ class PolicyGate:
                 unaccounted,
                 retry_key=key,
                 terms=promise,
+                decode_rate=self._rate,
             )
-            if final:  # its wait ended: told when, nothing held
+            queued_until = self._queued.pop(uid, None) if final else self._queued.get(uid)
+            possible = claim.blocks <= claim.pool_limit and claim.blocks <= claim.tenant_quota
+            queue_s = 0.0 if self.shadow or not possible else self.pool.queue.max_wait_seconds
+            if final and queued_until is None:  # a promise's wait ended: told when
                 claim = dataclasses.replace(claim, retry_key="")
-            reservation = await self.ledger.reserve(claim)
+            # Queued, it is promised nothing; its last try has the claim's terms.
+            asked = dataclasses.replace(claim, terms=None) if queue_s > 0 and not final else claim
+            reservation = await self.ledger.reserve(asked)
             refused = decide.refusal(reservation, claim)
             if refused is not None:
+                await self._refused(uid, claim, reservation, now)
+                if reservation.waiting_s <= 0 and queue_s > 0 and not final:
+                    # Into the queue (or still in it) until its wait ends.
+                    until = self._queued.setdefault(uid, now + queue_s)
+                    return Verdict(identity.tier_name, limits.max_tokens, limits.clamped,
+                                   refused=refused.code.value, wait_s=until - now)  # fmt: skip
                 raise refused
             lease = reservation.lease
             assert lease is not None
@@ -203,25 +225,47 @@ class PolicyGate:
                 wait_s=waiting_s,
             )
         self.held += lease.blocks
-        self._since[lease.lease_id] = now
+        self._counted[lease.lease_id] = lease.blocks
         observed = False
         if self.calibration is not None:
-            self._counted[lease.lease_id] = lease.blocks
             observed = self._sampler.pick(uid)
-            growth = Growth(
-                self.pool.name,
-                (request.prompt_tokens,),
-                1,
-                self.capacity.block_size,
-                limits.max_tokens,
-                plan.reserved_output,
-                now,
-                estimate,
-            )
-            self.keeper.hold(lease, growth)
+        growth = Growth(
+            self.pool.name,
+            (request.prompt_tokens,),
+            1,
+            self.capacity.block_size,
+            limits.max_tokens,
+            plan.reserved_output,
+            now,
+            estimate,
+        )
+        self.keeper.hold(lease, growth)
         return Verdict(
             identity.tier_name, limits.max_tokens, limits.clamped, lease=lease, observed=observed
         )
+
+    async def _refused(self, uid: str, claim: Claim, reservation: Reservation, now: float) -> None:
+        """Note a refusal of a claim that fits beside the leases and its own tenant's held
+        retries, the blocks held for others then against it (`fitting_refused_block_s`)."""
+        own = reservation.holding
+        tenant = self.keeper.held_blocks(claim.pool, claim.tenant)
+        fits = (
+            tenant + own + claim.blocks <= claim.tenant_quota
+            and self.held + own + claim.blocks <= claim.pool_limit
+        )
+        if fits:
+            held = (await self.ledger.usage(claim.pool)).holding - own
+            self._fitting_refused[uid] = (now, max(0, held))
+
+    def _decided_again(self, uid: str, now: float) -> None:
+        refused = self._fitting_refused.pop(uid, None)
+        if refused is not None:
+            self.fitting_refused_block_s += refused[1] * (now - refused[0])
+
+    def ended(self, now: float) -> None:
+        """The run ended: refusals never decided again count until `now`."""
+        for uid in list(self._fitting_refused):
+            self._decided_again(uid, now)
 
     def _shadowed(self, tier: str, request: TraceRequest, code: Code) -> Verdict:
         """Shadow mode lets a refused request pass as sent, without a lease: vLLM applies the
@@ -233,9 +277,7 @@ class PolicyGate:
     async def release(self, lease: Lease) -> None:
         self.keeper.forget(lease.lease_id)  # the gate releases it, at once
         await self.ledger.release(lease)
-        blocks = self._counted.pop(lease.lease_id, lease.blocks)
-        self.held -= blocks
-        self.holds.record(self.pool.name, blocks, self._clock() - self._since.pop(lease.lease_id))
+        self.held -= self._counted.pop(lease.lease_id, lease.blocks)
 
     def finished(self, verdict: Verdict, output_tokens: int) -> None:
         """A request ended having produced `output_tokens`: vLLM counts it in its histogram,
@@ -264,11 +306,13 @@ class PolicyGate:
         """Discovery's scrape every refresh_seconds and the keeper's growth every second;
         `progress` gives the open requests with the output tokens each has so far (what the
         streams of the observed ones show)."""
-        if self.calibration is None:
-            return
         if now >= self._next_scrape:
             self._next_scrape = now + self.pool.capacity.refresh_seconds
-            self._scrape(now, preemptions_total, engine_used)
+            if self._busy_s > 0:  # the decode rate, as vLLM's inter-token latency gives it
+                self._rate = self._steps / self._busy_s
+            self._steps = self._busy_s = 0.0
+            if self.calibration is not None:
+                self._scrape(now, preemptions_total, engine_used)
         if now >= self._next_grow:
             self._next_grow = now + GROW_INTERVAL_S
             for verdict, tokens in progress():
@@ -293,9 +337,6 @@ class PolicyGate:
             self.pool.name, preemptions_total - self._preemptions, now, full=full
         )
         self._preemptions = preemptions_total
-        if self._busy_s > 0:
-            self._rate = self._steps / self._busy_s
-        self._steps = self._busy_s = 0.0
 
     @property
     def trust(self) -> float:

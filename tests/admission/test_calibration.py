@@ -511,7 +511,8 @@ async def test_a_calibrated_pool_without_samples_reserves_the_whole_limit() -> N
     admitted, decision, _ = await admit(config, Calibration(), "a", max_tokens=100)
     assert admitted.headers["x-kvguard-reserved-output"] == "100"
     assert admitted.headers["x-kvguard-blocks"] == str(math.ceil(140 / BLOCK))
-    assert admitted.growth is None and admitted.body is None
+    assert admitted.growth is not None and not admitted.growth.grows  # its end is followed
+    assert admitted.body is None
     assert decision.reserved_from == "worst_case"
 
 
@@ -521,7 +522,8 @@ async def test_a_request_that_ignores_eos_reserves_its_whole_limit() -> None:
     fed(calibration, config.pools[0], "pro", "a", 10, 20, 30)
     admitted, decision, _ = await admit(config, calibration, "a", ignore_eos=True)
     assert admitted.headers["x-kvguard-reserved-output"] == "256"
-    assert admitted.growth is None and decision.reserved_from == "worst_case"
+    assert admitted.growth is not None and not admitted.growth.grows
+    assert decision.reserved_from == "worst_case"
 
 
 @pytest.mark.parametrize("learnt", [False, True])
@@ -534,6 +536,6 @@ async def test_a_worst_case_pool_reserves_max_tokens(learnt: bool) -> None:
     assert admitted.headers["x-kvguard-reserved-output"] == "300"
     assert admitted.metadata["reserved_output"] == "300"
     assert admitted.headers["x-kvguard-blocks"] == str(math.ceil(340 / BLOCK)) == "22"
-    assert admitted.growth is None
+    assert admitted.growth is not None and not admitted.growth.grows
     assert (decision.reserved_output, decision.reserved_from) == (300, "worst_case")
     assert (await ledger.usage("p")).reserved == 22

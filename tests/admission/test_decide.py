@@ -10,6 +10,7 @@ import textwrap
 import pytest
 
 from kvguard.admission import decide
+from kvguard.admission.calibration import DEFAULT_DECODE_RATE
 from kvguard.admission.capacity import PoolCapacity
 from kvguard.config.schema import Capacity, Pool, Tier
 from kvguard.errors import Code, Refusal
@@ -74,8 +75,11 @@ def test_min_tokens_above_the_room_is_refused_as_invalid() -> None:
 
 def test_the_claim_carries_the_plan_the_lease_id_and_the_lease_seconds() -> None:
     plan = decide.plan(counted([100], {"max_tokens": 100}), POOL, "acme", TIER, CAPACITY)
-    claim = decide.claim(plan, "lease-1", 30.0)
-    assert claim == Claim("lease-1", "llama", "acme", 13, 850, 100, 30.0)
+    claim = decide.claim(plan, "lease-1", 30.0, decode_rate=50.0)
+    # Its lease is expected to end once its limit is produced at the pool's decode rate.
+    assert claim == Claim("lease-1", "llama", "acme", 13, 850, 100, 30.0, ends_in_s=2.0)
+    unknown = decide.claim(plan, "lease-1", 30.0)
+    assert unknown.ends_in_s == 100 / DEFAULT_DECODE_RATE
 
 
 @pytest.mark.parametrize(
@@ -139,7 +143,7 @@ def test_the_ledgers_answers_map_to_429s_or_to_none() -> None:
         assert (refusal.should_retry, refusal.headers) == (None, {})
 
 
-TERMS = Terms(hold_s=10.0, max_wait_s=30.0, jitter_s=0.2, grace_s=2.0)
+TERMS = Terms(max_wait_s=30.0, jitter_s=0.2, grace_s=2.0)
 PROMISING = Claim("lease-1", "llama", "acme", 13, 850, 100, 30.0, "k" * 32, TERMS)
 
 
@@ -149,7 +153,8 @@ def test_a_promised_slot_is_the_retry_after_with_its_token() -> None:
     assert (refusal.retry_after_s, refusal.should_retry) == (2.2, None)
     assert refusal.headers == {"x-kvguard-retry-token": "k" * 32}
     assert refusal.message.endswith(
-        "held for this request's retry at the time retry-after-ms gives"
+        "this request's retry at the time retry-after-ms gives goes before this tenant's later "
+        "requests"
     )
     told = decide.refusal(answer(Outcome.POOL_WATERMARK, 2.0, 2.2), PROMISING)
     assert told is not None and (told.retry_after_s, told.headers) == (2.2, {})
@@ -174,9 +179,12 @@ def test_rate_limit_headers_say_where_the_tenant_stands() -> None:
     assert refusal.headers["ratelimit"] == '"kv";r=10;t=3'
     admitted = Reservation(Outcome.ADMITTED, 500, 20)
     assert decide.rate_limit(admitted, CLAIM).headers()["ratelimit"] == '"kv";r=80;t=0'
-    # Blocks held for promised retries are not the tenant's to reserve.
-    beside_held = Reservation(Outcome.ADMITTED, 500, 20, pool_holding=340, tenant_holding=5)
-    assert decide.rate_limit(beside_held, CLAIM).headers()["ratelimit"] == '"kv";r=10;t=0'
+    # Blocks held for the tenant's promised retries are not its to reserve, in its quota or
+    # in the pool.
+    beside_held = Reservation(Outcome.ADMITTED, 500, 20, holding=5)
+    assert decide.rate_limit(beside_held, CLAIM).headers()["ratelimit"] == '"kv";r=75;t=0'
+    near_full = Reservation(Outcome.ADMITTED, 840, 20, holding=5)
+    assert decide.rate_limit(near_full, CLAIM).headers()["ratelimit"] == '"kv";r=5;t=0'
     unknown = answer(Outcome.POOL_WATERMARK, float("inf"))
     assert decide.rate_limit(unknown, CLAIM).headers()["ratelimit"] == '"kv";r=10'
 

@@ -14,7 +14,7 @@ import pytest
 from kvguard.admission.calibration import DEFAULT_DECODE_RATE, Growth
 from kvguard.admission.estimate import blocks_needed
 from kvguard.admission.leases import LeaseKeeper
-from kvguard.ledger import Claim, Lease, Ledger, Outcome
+from kvguard.ledger import Claim, Lease, Ledger, Outcome, Terms
 from kvguard.ledger.memory import MemoryLedger
 from kvguard.testing.wait import wait_until
 from tests.admission.test_leases import LateReassert
@@ -56,10 +56,18 @@ def growth(
 
 
 async def held(
-    ledger: MemoryLedger, lease_id: str, grows: Growth, *, pool_limit: int = 10_000
+    ledger: MemoryLedger,
+    lease_id: str,
+    grows: Growth,
+    *,
+    pool_limit: int = 10_000,
+    ends_in_s: float | None = None,
 ) -> Lease:
+    """A lease of `grows`'s blocks, within `pool_limit` more blocks (0: the pool's limit is
+    these blocks), expected to end `ends_in_s` from now."""
     blocks = blocks_needed(list(grows.prompt_tokens), grows.reserved_output, grows.n, BLOCK)
-    claim = Claim(lease_id, "p", "a", blocks, pool_limit, 10_000, LEASE_S)
+    limit = pool_limit or blocks
+    claim = Claim(lease_id, "p", "a", blocks, limit, 10_000, LEASE_S, ends_in_s=ends_in_s)
     reservation = await ledger.reserve(claim)
     assert reservation.lease is not None
     return reservation.lease
@@ -287,3 +295,45 @@ async def test_a_lease_that_must_grow_is_raised_ahead_and_left_alone_meanwhile()
     clock.t += 1.0  # 60 tokens: 100 need 7 blocks, as counted
     assert await keeper.grow_all() == []
     assert len(ledger.reasserts) == 1
+
+
+def test_a_request_is_expected_to_end_when_its_limit_is_produced() -> None:
+    grows = Growth("p", (PROMPT,), 2, BLOCK, 100, 8, 1000.0)
+    assert grows.ends_in_s(1000.0, 10.0) == 10.0  # its whole limit, per sequence
+    assert grows.ends_in_s(1004.0, 10.0) == 6.0  # less what the time produced at the rate
+    assert grows.ends_in_s(1001.0, 10.0, seen=70) == 3.0  # less what its stream showed
+    assert grows.ends_in_s(1020.0, 10.0) == 0.0  # past it: any moment now
+    assert grows.ends_in_s(1000.0, None) == 100 / DEFAULT_DECODE_RATE
+
+
+async def test_the_ledger_is_told_when_a_lease_is_expected_to_end_as_that_moves() -> None:
+    clock = Clock()
+    recording = Recording(MemoryLedger(clock))
+    rate = [10.0]
+    keeper = LeaseKeeper(
+        cast(Ledger, recording), LEASE_S, clock=clock, decode_rate=lambda _: rate[0]
+    )
+    whole = growth(clock, LIMIT)  # the worst case: 512 tokens at 10 a second, 51.2 s
+    lease = await held(recording.ledger, "whole", whole, pool_limit=0, ends_in_s=51.2)
+    keeper.hold(lease, whole)
+    clock.t += 10.0
+    assert await keeper.grow_all() == []
+    assert recording.reasserts == []  # on time: nothing to tell
+    rate[0] = 5.0  # the pool slows: 50 tokens produced by now, 462 left at 5 a second
+    assert await keeper.grow_all() == []  # its blocks stay; its end moves
+    assert [[(c.lease_id, c.ends_in_s) for c in call] for call in recording.reasserts] == [
+        [("whole", pytest.approx(92.4))]
+    ]
+    # A refusal is told that end: the pool has no room until this lease ends.
+    terms = Terms(max_wait_s=300.0, jitter_s=0.0, grace_s=1.0)
+    refused = await recording.ledger.reserve(
+        Claim("next", "p", "b", 1, lease.blocks, 10_000, LEASE_S, terms=terms)
+    )
+    assert refused.wait_s == pytest.approx(92.4)
+    keeper.seen("whole", 400)  # its stream shows it ahead: 112 tokens left
+    await keeper.grow_all()
+    assert recording.reasserts[-1][0].ends_in_s == pytest.approx(22.4)
+    assert keeper.snapshot()[0].ends_in_s == pytest.approx(22.4)
+    clock.t += 0.5  # moved by less than the tolerance: not told again
+    await keeper.grow_all()
+    assert len(recording.reasserts) == 2

@@ -1,22 +1,13 @@
 """What a refusal promises, in pure code (kvguard.admission.promises): the retry key, the
-promise's terms (their jitter drawn from the injected generator), the hold times learnt from
-releases, and the RateLimit headers' structured-field form."""
+promise's terms (their jitter drawn from the injected generator), and the RateLimit headers'
+structured-field form."""
 
 from __future__ import annotations
 
 import math
 import random
 
-from kvguard.admission.promises import (
-    DEFAULT_HOLD_S,
-    GRACE_S,
-    JITTER_S,
-    PRIOR_BLOCKS,
-    HoldTimes,
-    RateLimit,
-    retry_key,
-    terms,
-)
+from kvguard.admission.promises import GRACE_S, JITTER_S, RateLimit, retry_key, terms
 from kvguard.config.schema import Capacity, Pool
 
 POOL = Pool(
@@ -25,6 +16,7 @@ POOL = Pool(
     tokenizer="/models/p",
     max_model_len=4096,
     capacity=Capacity(blocks=1000, block_size=16),
+    retry_after_max_seconds=30.0,
 )
 
 
@@ -39,26 +31,18 @@ def test_a_retry_is_known_by_its_token_or_by_its_tenant_and_body() -> None:
 
 
 def test_terms_draw_their_jitter_from_the_generator_given() -> None:
-    first = terms(POOL, 7.5, random.Random(42))
-    again = terms(POOL, 7.5, random.Random(42))
+    first = terms(POOL, random.Random(42))
+    again = terms(POOL, random.Random(42))
     assert first == again and first is not None
-    assert (first.hold_s, first.max_wait_s, first.grace_s) == (7.5, 30.0, GRACE_S)
+    assert (first.max_wait_s, first.grace_s) == (30.0, GRACE_S)
     assert 0 <= first.jitter_s <= JITTER_S
-    draws = {terms(POOL, 7.5, random.Random(seed)).jitter_s for seed in range(20)}  # type: ignore[union-attr]
+    draws = {terms(POOL, random.Random(seed)).jitter_s for seed in range(20)}  # type: ignore[union-attr]
     assert len(draws) == 20  # spread, not one value
     silent = POOL.model_copy(update={"retry_after_max_seconds": 0.0})
-    assert terms(silent, 7.5, random.Random(0)) is None
-
-
-def test_hold_times_start_from_the_assumed_one_and_learn_block_weighted() -> None:
-    holds = HoldTimes()
-    assert holds.hold_s("p") == DEFAULT_HOLD_S
-    holds.record("p", PRIOR_BLOCKS, 2.0)  # as many blocks as the prior counts for
-    assert math.isclose(holds.hold_s("p"), (DEFAULT_HOLD_S + 2.0) / 2, rel_tol=0.01)
-    for _ in range(5000):  # the prior's weight fades as leases end
-        holds.record("p", 50, 2.0)
-    assert math.isclose(holds.hold_s("p"), 2.0, rel_tol=0.2)
-    assert holds.hold_s("other") == DEFAULT_HOLD_S
+    assert terms(silent, random.Random(0)) is None
+    default = Pool.model_fields["retry_after_max_seconds"].default
+    by_default = POOL.model_copy(update={"retry_after_max_seconds": default})
+    assert terms(by_default, random.Random(0)) is None  # no promises unless asked for
 
 
 def test_rate_limit_headers_are_structured_fields() -> None:

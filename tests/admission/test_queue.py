@@ -191,14 +191,17 @@ async def test_a_failing_ledger_fails_the_wait() -> None:
 
 async def test_a_waiter_wakes_when_a_promise_ends_by_itself() -> None:
     q = Queued()
-    full = await q.take("full", 100)
-    # A refused claim is promised 20 blocks, held at once and for well under a second.
-    terms = Terms(hold_s=0.1, max_wait_s=5.0, jitter_s=0.0, grace_s=0.2)
+    # The pool full with a lease expected to end now: a refused claim of tenant b is promised
+    # a slot now, comes back at once and holds its 20 blocks for well under a second.
+    full = await q.ledger.reserve(Claim("full", "p", "filler", 100, LIMIT, LIMIT, 60, ends_in_s=0))
+    assert full.lease is not None
+    terms = Terms(max_wait_s=5.0, jitter_s=0.0, grace_s=0.2)
     claim = Claim("promised", "p", "b", 20, LIMIT, QUOTA, 60, "k" * 32, terms)
     assert (await q.ledger.reserve(claim)).promised
-    await q.free(full)
-    await q.take("more", 10)  # 70 blocks free beside these 10 and the 20 held
-    waiting = q.wait("w", 80, "a")  # fits only once the promise is gone
+    assert (await q.ledger.reserve(claim)).waiting_s > 0  # back: held for it
+    await q.ledger.release(full.lease)
+    await q.take("more", 10)
+    waiting = q.wait("w", 80, "b")  # b's quota fits it only once its promise is gone
     await asyncio.wait_for(waiting, 5)  # no release: the ledger said when the promise ends
     assert admitted(waiting) == "w"
     assert (await q.ledger.usage("p")).promises == 0

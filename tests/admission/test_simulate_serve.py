@@ -97,6 +97,7 @@ def cases(draw: st.DrawFn) -> tuple[Config, list[Ask | Release]]:
         max_model_len=max_model_len,
         watermark=draw(st.sampled_from([0.15, 0.0, 0.05, 0.3, 0.5])),
         capacity=Capacity(blocks=blocks, block_size=block_size),
+        retry_after_max_seconds=draw(st.sampled_from([30.0, 0.0])),
     )
     small = st.integers(1, 4 * block_size)
     ask = st.builds(
@@ -117,7 +118,6 @@ def serve(
     *,
     calibration: Calibration | None = None,
     clock: Callable[[], float] = lambda: 0.0,
-    hold_s: Callable[[str], float] | None = None,
 ) -> tuple[Admission, Policy, MemoryLedger, GivenCount]:
     pool = config.pools[0]
     assert pool.capacity.blocks is not None and pool.capacity.block_size is not None
@@ -133,8 +133,6 @@ def serve(
     admission = Admission(
         ledger, cast(PromptCounter, counter), capacities, settings_, calibration, clock
     )
-    if hold_s is not None:
-        admission.hold_s = hold_s
     return admission, policy, ledger, counter
 
 
@@ -208,11 +206,9 @@ async def both_decide(
         calibration = Calibration()
         learn(gate.calibration, gate.pool, config.tenancy, learnt)
         learn(calibration, pool, config.tenancy, learnt)
-    # Both promise refused requests a retry by the same hold times (the gate's, from its
-    # releases); each request is new (its own body and id), so none is a retry.
-    admission, policy, ledger, counter = serve(
-        config, calibration=calibration, hold_s=gate.holds.hold_s
-    )
+    # Both tell refused requests when their leases are expected to end, at the decode rate
+    # neither has measured yet; each request is new (its own body and id), so none is a retry.
+    admission, policy, ledger, counter = serve(config, calibration=calibration)
     held: list[tuple[Lease, Lease]] = []  # (simulate's, serve's) lease of each admitted request
     for i, step in enumerate(steps):
         await same_usage(gate, ledger)

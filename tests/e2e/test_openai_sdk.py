@@ -41,8 +41,8 @@ def client(gw: Gateway, tenant: str | None = "acme") -> openai.AsyncOpenAI:
 
 async def hold(gw: Gateway, tenant: str, blocks: int) -> None:
     """Reserve `blocks` of pool qwen for `tenant` directly in the ledger, as a request in
-    flight would (whatever a case before promised a retry)."""
-    claim = Claim(uuid.uuid4().hex, "qwen", tenant, blocks, 10**6, 10**6, 60)
+    flight would, expected to end in 10 s (whatever a case before promised a retry)."""
+    claim = Claim(uuid.uuid4().hex, "qwen", tenant, blocks, 10**6, 10**6, 60, ends_in_s=10.0)
     assert (await gw.service.ledger.reserve(claim)).lease is not None
 
 
@@ -65,6 +65,12 @@ def chat(tenant: str | None = "acme", **fields: Any) -> Call:
     return call
 
 
+async def embed(gw: Gateway) -> Any:
+    """An endpoint the gateway does not serve (nothing meters it)."""
+    async with client(gw) as sdk:
+        return await sdk.embeddings.create(model="qwen", input="hello")
+
+
 def after(setup: Callable[[Gateway], Awaitable[None]], call: Call) -> Call:
     async def both(gw: Gateway) -> Any:
         await setup(gw)
@@ -76,6 +82,7 @@ def after(setup: Callable[[Gateway], Awaitable[None]], call: Call) -> Call:
 # code -> (how to provoke it, the SDK's class, status, type)
 CASES: dict[str, tuple[Call, type[openai.APIStatusError], int, str]] = {
     "model_not_found": (chat(model="gpt-9"), openai.NotFoundError, 404, "invalid_request_error"),
+    "endpoint_not_served": (embed, openai.NotFoundError, 404, "invalid_request_error"),
     "invalid_request": (
         chat(extra_body={"max_tokens": "many"}),
         openai.BadRequestError,

@@ -30,10 +30,8 @@ LONG_WAIT_S = 20.0  # a queue wait no test here reaches
 # What the upstream waits before answering a request that must stay in flight (its lease
 # held) until the test cancels it: longer than any test here.
 IN_FLIGHT = {"x_test_delay": "60"}
-HOLD_S = 2.0  # seconds a block stays reserved, for the promises of the 429s
-# When one block held HOLD_S has freed, on average: one release (kvguard/ledger/memory.py,
-# _fit_s).
-ONE_BLOCK_FREE_S = HOLD_S
+# When the fillers' leases are expected to end: what the 429s' times are told from.
+FILLER_ENDS_S = 4.0
 
 
 def queue(max_wait_seconds: float, max_queued: int = 1000) -> Callable[[dict[str, Any]], None]:
@@ -61,7 +59,9 @@ async def fill(gw: Gateway, blocks: int) -> list[Lease]:
     process holds them): the leases, to free one at a time."""
     leases = []
     for _ in range(blocks):
-        claim = Claim(uuid.uuid4().hex, "qwen", "filler", 1, 10**6, 10**6, 60)
+        claim = Claim(
+            uuid.uuid4().hex, "qwen", "filler", 1, 10**6, 10**6, 60, ends_in_s=FILLER_ENDS_S
+        )
         lease = (await gw.service.ledger.reserve(claim)).lease
         assert lease is not None
         leases.append(lease)
@@ -137,20 +137,21 @@ async def test_a_wait_past_max_wait_ends_in_a_promised_429(tmp_path: Path) -> No
     """The wait outlasts Envoy's 200 ms message timeout: kvguard's extension covers it."""
     max_wait_s = 1.5
     async with gateway(tmp_path, queue(max_wait_s), blocks=1, **ONE_BLOCK_EACH) as gw:
-        gw.service.admission.hold_s = lambda _pool: HOLD_S
+        filled = time.monotonic()
         await fill(gw, 1)
         started = time.monotonic()
         status, headers, body = await gw.post("/v1/chat/completions", chat("late"), "acme")
-        elapsed = time.monotonic() - started
+        answered = time.monotonic()
+        elapsed = answered - started
         usage = await gw.service.ledger.usage("qwen")
         stats = await gw.envoy.stats(r"ext_proc\.")
     assert (status, headers["x-kvguard-reason"]) == (429, "kv_cache_watermark_exceeded")
     assert body["error"]["code"] == "kv_cache_watermark_exceeded"
     assert max_wait_s <= elapsed < max_wait_s + 10
-    # The promise of the last try: the pool's one block, held HOLD_S on average, expected free
-    # in HOLD_S (kvguard.ledger.Terms: one release, nothing measured before), plus jitter.
+    # The promise of the last try: when the filler's lease is expected to end, plus jitter.
     milliseconds = int(headers["retry-after-ms"])
-    assert 1000 * ONE_BLOCK_FREE_S <= milliseconds <= 1000 * (ONE_BLOCK_FREE_S + JITTER_S) + 1
+    soonest, latest = FILLER_ENDS_S - (answered - filled), FILLER_ENDS_S - (started - filled)
+    assert 1000 * soonest - 1 <= milliseconds <= 1000 * (latest + JITTER_S) + 1
     assert headers["retry-after"] == str(math.ceil(milliseconds / 1000))
     assert headers["x-should-retry"] == "true"
     assert (usage.reserved, usage.promises, usage.promised) == (1, 1, 1)
@@ -194,21 +195,23 @@ async def test_a_full_queue_refuses_at_once(tmp_path: Path) -> None:
     still waits."""
     edit = queue(LONG_WAIT_S, max_queued=1)
     async with gateway(tmp_path, edit, blocks=1, **ONE_BLOCK_EACH) as gw:
-        gw.service.admission.hold_s = lambda _pool: HOLD_S
+        filled = time.monotonic()
         await fill(gw, 1)
         first = send(gw, "first", "acme")
         try:
             await queued(gw, 1)
             started = time.monotonic()
             status, headers, _ = await gw.post("/v1/chat/completions", chat("second"), "globex")
-            elapsed = time.monotonic() - started
+            answered = time.monotonic()
+            elapsed = answered - started
             still_waiting = gw.service.queue.queued("qwen"), first.done()
             usage = await gw.service.ledger.usage("qwen")
         finally:
             await cancel([first])
     assert (status, headers["x-kvguard-reason"]) == (429, "kv_cache_watermark_exceeded")
     milliseconds = int(headers["retry-after-ms"])
-    assert 1000 * ONE_BLOCK_FREE_S <= milliseconds <= 1000 * (ONE_BLOCK_FREE_S + JITTER_S) + 1
+    soonest, latest = FILLER_ENDS_S - (answered - filled), FILLER_ENDS_S - (started - filled)
+    assert 1000 * soonest - 1 <= milliseconds <= 1000 * (latest + JITTER_S) + 1
     assert elapsed < LONG_WAIT_S
     assert still_waiting == (1, False)
     assert "x-kvguard-retry-token" not in headers

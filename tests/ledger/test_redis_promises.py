@@ -1,51 +1,45 @@
 """Promises as only the Redis ledger keeps them, on a real redis-server and a real Redis Cluster:
-keys in the pool's slot, one round trip per refusal, terms the script checks, tenants with ':',
-a line of promises longer than one walk step, more promises starting to hold at once than one
-reclaim batch moves, the drain that releases and expiries feed."""
+keys in the pool's slot, one round trip per refusal, terms and expected ends the script checks,
+tenants with ':', walks longer than one batch (a tenant's line of promises, the pool's and a
+tenant's leases in order of their ends), more promises ending at once than one reclaim batch
+moves, and two replicas sharing the ledger."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import Any
 
 import pytest
 import redis.exceptions as rexc
 
-from kvguard.ledger import (
-    DRAIN_WINDOW_S,
-    MAX_PROMISE_BUDGET,
-    PROMISE_BUDGET,
-    Claim,
-    Lease,
-    Outcome,
-    Terms,
-)
-from kvguard.ledger.redis_ledger import RedisLedger, all_keys, load_script
-from tests.ledger.conftest import MARGIN_S, RedisClock, claim
-from tests.ledger.test_promises import EXACT, TERMS, fill, fit, promised
+from kvguard.ledger import MAX_PROMISE_BUDGET, PROMISE_BUDGET, Claim, Lease, Outcome, Terms
+from kvguard.ledger.redis_ledger import RedisLedger, all_keys, connect, load_script
+from kvguard.testing.redis import RedisCluster
+from tests.ledger.conftest import MARGIN_S, PATIENT_S, RedisClock, claim
+from tests.ledger.test_promises import TERMS, Y_ENDS_S, about, ending, fill, promised
 from tests.ledger.test_redis import _commandstats, _reset_stats
 
 
-def test_promise_and_drain_keys_follow_the_pool_keys_in_its_slot() -> None:
+def test_promise_and_end_keys_follow_the_pool_keys_in_its_slot() -> None:
     keys = all_keys("qwen-7b")
-    assert len(set(keys)) == 20
+    assert len(set(keys)) == 17
     assert all(key.split("{", 1)[1].split("}", 1)[0] == "qwen-7b" for key in keys)
 
 
-def test_the_scripts_use_the_ledgers_drain_window_and_promise_budgets() -> None:
+def test_the_scripts_use_the_ledgers_promise_budgets() -> None:
     source = load_script("lib").source
-    assert f"local DRAIN_WINDOW_MS = {round(DRAIN_WINDOW_S * 1000)}\n" in source
     assert f"local PROMISE_BUDGET = {PROMISE_BUDGET}\n" in source
     assert f"local MAX_PROMISE_BUDGET = {MAX_PROMISE_BUDGET}\n" in source
 
 
 async def test_a_promised_refusal_is_one_round_trip(redis_ledger: tuple[Any, RedisLedger]) -> None:
     redis, ledger = redis_ledger
+    clock = RedisClock(ledger)
+    t0 = await clock.now()
     await fill(ledger)
     _reset_stats(redis)
     refused = await ledger.reserve(promised("1", 20, "k1"))
-    assert refused.retry_after_s == pytest.approx(fit(20, 10, 20) + 0.5, abs=EXACT)
+    await about(clock, t0, refused.retry_after_s, Y_ENDS_S + 0.5)
     stats = _commandstats(redis)
     assert stats.get("evalsha") == 1, stats
 
@@ -53,8 +47,6 @@ async def test_a_promised_refusal_is_one_round_trip(redis_ledger: tuple[Any, Red
 @pytest.mark.parametrize(
     ("terms", "message"),
     [
-        (replace(TERMS, hold_s=math.nan), "hold time \\(s\\) must be a non-negative number"),
-        (replace(TERMS, hold_s=-1.0), "hold time \\(s\\) must be a non-negative number"),
         (replace(TERMS, max_wait_s=-1.0), "max wait \\(ms\\) must be a non-negative integer"),
         (replace(TERMS, jitter_s=-0.5), "jitter \\(ms\\) must be a non-negative integer"),
         (replace(TERMS, grace_s=-2.0), "grace \\(ms\\) must be a non-negative integer"),
@@ -70,54 +62,49 @@ async def test_the_script_refuses_bad_terms(
     assert (usage.reserved, usage.promises) == (0, 0)
 
 
-async def test_released_and_expired_leases_feed_the_drain(
+async def test_expected_ends_are_sent_as_whole_ms_from_now(
     redis_ledger: tuple[Any, RedisLedger],
 ) -> None:
     _, ledger = redis_ledger
     clock = RedisClock(ledger)
     t0 = await clock.now()
-    leases = []
-    for i in range(10):  # the pool full: 10 leases of 10 blocks, 2 of them expiring soon
-        lease_s = 0.2 if i < 2 else 30.0
-        full = await ledger.reserve(claim(f"x{i}", 10, tenant="x", quota=100, lease_s=lease_s))
-        assert full.outcome is Outcome.ADMITTED
-        leases.append(full.lease)
-    for lease in leases[2:5]:
-        assert lease is not None
-        await ledger.release(lease)
-    await clock.reach(t0 + 0.2 + MARGIN_S)
-    # 50 blocks reserved: a 60-block claim needs 10 more freed. Held 1000 s a block, 50 blocks
-    # free 0.05 a second; the 5 releases of 10 blocks measured free them much faster.
-    slow = replace(TERMS, hold_s=1000.0)
-    refused = await ledger.reserve(promised("a", 60, "k", terms=slow, quota=100))
-    elapsed = await clock.now() - t0
-    assert refused.outcome is Outcome.POOL_WATERMARK
-
-    def weight(span_s: float) -> float:  # kvguard.ledger.memory: the window's decayed weight
-        return DRAIN_WINDOW_S * -math.expm1(-max(span_s, DRAIN_WINDOW_S / 10) / DRAIN_WINDOW_S)
-
-    decay = math.exp(-elapsed / DRAIN_WINDOW_S)  # the 3 releases are older than the expiries
-    fastest = fit(10, 50 / weight(0), 10)
-    slowest = fit(10, (20 + 30 * decay) / weight(elapsed), 10)
-    assert fastest - EXACT <= refused.wait_s <= slowest + EXACT
+    # Past ones end now; endless ones as late as the script's indexes keep.
+    for lease_id, ends_s in (("past", -5.0), ("endless", float("inf"))):
+        lease = ending(lease_id, 50, ends_s, tenant=lease_id, quota=100)
+        assert (await ledger.reserve(lease)).outcome is Outcome.ADMITTED
+    now = await ledger.reserve(promised("1", 50, "k1"))
+    assert (now.wait_s, now.promised) == (0.0, True)
+    never = await ledger.reserve(promised("2", 60, "k2", tenant="b", quota=100))
+    await about(clock, t0, never.wait_s, 1e9)
+    assert (never.retry_after_s, never.promised) == (None, False)
 
 
 async def test_a_tenant_with_colons_keeps_and_takes_its_promise(
     redis_ledger: tuple[Any, RedisLedger],
 ) -> None:
     _, ledger = redis_ledger
-    await fill(ledger)
+    clock = RedisClock(ledger)
+    fast = replace(TERMS, jitter_s=0.0, grace_s=10.0)
+    await fill(ledger, y_ends_s=0.2)
     tenant = "org:team:1"
-    assert (await ledger.reserve(promised("1", 20, "k1", tenant=tenant))).promised
-    assert (await ledger.reserve(promised("2", 10, "k2", tenant=tenant))).promised
-    await ledger.release(claim("y", 50, tenant="y").lease())
+    first = await ledger.reserve(promised("1", 20, "k1", tenant=tenant, terms=fast))
+    assert first.promised and first.retry_after_s is not None
+    assert (await ledger.reserve(promised("2", 10, "k2", tenant=tenant, terms=fast))).promised
+    t1 = await clock.now()
+    await clock.reach(t1 + first.retry_after_s + 0.002)
+    for key, blocks in (("k1", 20), ("k2", 10)):  # both back at their time: held for them
+        back = await ledger.reserve(promised(f"{key}b", blocks, key, tenant=tenant, terms=fast))
+        assert back.waiting_s > 0
+    await ledger.release(ending("y", 50, None, tenant="y").lease())
     # Its second promise counts only the first (20) before it: 50 + 20 + 10 fit.
-    assert (await ledger.reserve(promised("2b", 10, "k2", tenant=tenant))).outcome is (
-        Outcome.ADMITTED
-    )
+    second = await ledger.reserve(promised("2b", 10, "k2", tenant=tenant, terms=fast))
+    assert (second.outcome, second.holding) == (Outcome.ADMITTED, 20)
+    # A tenant whose name starts as this one's counts none of its held blocks.
+    prefix = await ledger.reserve(ending("3", 40, 1.0, tenant="org:team"))
+    assert (prefix.outcome, prefix.holding) == (Outcome.ADMITTED, 0)
     usage = await ledger.usage("p")
-    assert (usage.reserved, usage.promised, usage.promises) == (60, 20, 1)
-    assert usage.tenants == {"x": 50, tenant: 10}
+    assert (usage.reserved, usage.promised, usage.promises, usage.holding) == (100, 20, 1, 20)
+    assert usage.tenants == {"x": 50, tenant: 10, "org:team": 40}
 
 
 async def test_a_tenant_with_colons_runs_out_of_promises_by_its_whole_name(
@@ -125,17 +112,17 @@ async def test_a_tenant_with_colons_runs_out_of_promises_by_its_whole_name(
 ) -> None:
     _, ledger = redis_ledger
     clock = RedisClock(ledger)
-    await fill(ledger)
+    fast = replace(TERMS, jitter_s=0.0, grace_s=0.2, max_wait_s=2.0)
+    await fill(ledger, y_ends_s=0.2)
     tenant = "org:team:1"
-    fast = replace(TERMS, hold_s=0.5, jitter_s=0.0, grace_s=0.2, max_wait_s=2.0)
     t0 = await clock.now()
     for i in range(PROMISE_BUDGET):  # all unclaimed: its budget falls to 0
         assert (
-            await ledger.reserve(promised(str(i), 20, f"k{i}", tenant=tenant, terms=fast))
+            await ledger.reserve(promised(str(i), 5, f"k{i}", tenant=tenant, terms=fast))
         ).promised
-    await clock.reach(t0 + fit(80, 200, 20) + 0.2 + MARGIN_S)
-    told = await ledger.reserve(promised("4", 20, "k4", tenant=tenant, terms=fast))
-    prefix = await ledger.reserve(promised("5", 20, "k5", tenant="org:team", terms=fast))
+    await clock.reach(t0 + 0.2 + 0.2 + MARGIN_S)
+    told = await ledger.reserve(promised("4", 5, "k4", tenant=tenant, terms=fast))
+    prefix = await ledger.reserve(promised("5", 5, "k5", tenant="org:team", terms=fast))
     assert (told.promised, told.retry_after_s is not None, prefix.promised) == (False, True, True)
 
 
@@ -145,39 +132,112 @@ def one_each(i: int, limit: int, terms: Terms) -> Claim:
     return replace(base, retry_key=f"k{i}", terms=terms)
 
 
-async def test_a_line_longer_than_one_walk_step_is_counted_whole(
+async def test_a_tenants_line_longer_than_one_walk_step_is_counted_whole(
     redis_ledger: tuple[Any, RedisLedger],
 ) -> None:
-    _, ledger = redis_ledger
-    n, limit = 1005, 2000  # more promises than lib.lua's WALK_BATCH (1000)
-    terms = replace(TERMS, hold_s=2.0)
-    full = await ledger.reserve(claim("x", limit, tenant="x", limit=limit, quota=limit))
-    assert full.outcome is Outcome.ADMITTED
+    redis, ledger = redis_ledger
+    clock = RedisClock(ledger)
+    n = 1005  # more promises than lib.lua's WALK_BATCH (1000), all of tenant a
+    raw = connect(redis.url, cluster=isinstance(redis, RedisCluster), timeout_s=PATIENT_S)
+    try:
+        await raw.hset(all_keys("p")[14], "a", n + 1)  # its budget, as if its clients came back
+    finally:
+        await raw.aclose()
+    fast = replace(TERMS, max_wait_s=60.0)
+    t0 = await clock.now()
+    # The pool full: 1 004 blocks expected free in 1 s, the other 996 in 20 s.
+    early_ends, late_ends = Lease("x1", "p", "x", 1004), Lease("x2", "p", "x", 996)
+    await ledger.reassert(
+        [replace(early_ends, ends_in_s=1.0), replace(late_ends, ends_in_s=20.0)], 60.0
+    )
+
+    def one(lease_id: str, i: int) -> Claim:
+        return replace(claim(lease_id, 1, limit=2000, quota=2000), retry_key=f"k{i}", terms=fast)
+
     for i in range(n):
-        assert (await ledger.reserve(one_each(i, limit, terms))).promised
-    refused = await ledger.reserve(replace(one_each(n - 1, limit, terms), lease_id="last"))
-    # The promises before it (n - 1 blocks) and its own block, past a full pool that frees
-    # 1000 blocks a second.
-    assert refused.wait_s == pytest.approx(fit(n, limit / 2.0, 1), abs=EXACT)
-    assert (await ledger.usage("p")).promised == n
+        assert (await ledger.reserve(one(str(i), i))).promised
+    # Back early, the last counts the n - 1 promises before it: the 1 005th block frees at 20 s.
+    early = await ledger.reserve(one("again", n - 1))
+    assert (early.promised, early.waiting_s) == (True, 0.0)
+    await about(clock, t0, early.wait_s, 20.0)
 
 
-async def test_promises_due_beyond_one_reclaim_batch_start_holding_over_calls(
+async def test_the_walks_over_leases_go_past_one_batch(
     redis_ledger: tuple[Any, RedisLedger],
 ) -> None:
     _, ledger = redis_ledger
     clock = RedisClock(ledger)
-    n, limit = 1005, 100_000  # more promises than lib.lua's RECLAIM_BATCH (1000)
-    terms = replace(TERMS, hold_s=2.0, grace_s=30.0)
-    # A pool a full limit over (as a re-assert may leave it), freeing 100 000 blocks a second:
-    # each 1-block promise holds about 1 s from now, once that limit and the promises before it
-    # are expected free.
-    await ledger.reassert([Lease("x", "p", "x", 2 * limit)], 30.0)
+    t0 = await clock.now()
+    # 1 500 one-block leases of tenant a, and as many of b, ending in turn every 10 ms.
+    leases = [
+        replace(Lease(f"{tenant}{i}", "p", tenant, 1), ends_in_s=0.01 * (2 * i + j + 1))
+        for i in range(1500)
+        for j, tenant in enumerate("ab")
+    ]
+    await ledger.reassert(leases, 60.0)
+    terms = replace(TERMS, max_wait_s=60.0)
+    # The pool's limit: 1 200 over, the 1 200th lease to end; a's quota: 1 200 of a's own.
+    by_pool = await ledger.reserve(
+        replace(claim("1", 1200, tenant="c", limit=3000, quota=3000), terms=terms)
+    )
+    by_quota = await ledger.reserve(
+        replace(claim("2", 1200, limit=1_000_000, quota=1500), terms=terms)
+    )
+    await about(clock, t0, by_pool.wait_s, 0.01 * 1200)
+    await about(clock, t0, by_quota.wait_s, 0.01 * (2 * 1199 + 1))
+
+
+async def test_promises_ending_beyond_one_reclaim_batch_end_over_calls(
+    redis_ledger: tuple[Any, RedisLedger],
+) -> None:
+    _, ledger = redis_ledger
+    clock = RedisClock(ledger)
+    n, limit = 1005, 2000  # more promises than lib.lua's RECLAIM_BATCH (1000)
+    fast = replace(TERMS, jitter_s=0.0, grace_s=0.5)
+    await ledger.reassert([replace(Lease("x", "p", "x", limit), ends_in_s=0.5)], 30.0)
     for i in range(n):
-        assert (await ledger.reserve(one_each(i, limit, terms))).promised
+        assert (await ledger.reserve(one_each(i, limit, fast))).promised
     last_at = await clock.now()
-    assert (await ledger.usage("p")).holding == 0
-    await clock.reach(last_at + fit(limit + n, limit, 1) + EXACT)
-    assert (await ledger.usage("p")).holding == 1000
-    usage = await ledger.usage("p")
-    assert (usage.holding, usage.promised, usage.promises) == (n, n, n)
+    assert (await ledger.usage("p")).promises == n
+    await clock.reach(last_at + 1.0 + MARGIN_S)
+    assert (await ledger.usage("p")).promises == n - 1000
+    assert (await ledger.usage("p")).promises == 0
+
+
+async def test_two_replicas_race_and_a_third_tenant_finds_the_idle_pool_open(
+    redis_ledger: tuple[Any, RedisLedger],
+) -> None:
+    """The Redis case of issue 31: two replicas share the ledger; tenants a and b race for a
+    full pool through both and are refused and promised; their clients come back at their time
+    and wait, holding their blocks; then every lease ends. Tenant c, through either replica,
+    gets the whole pool: nothing held for a and b counts against it."""
+    redis, first = redis_ledger
+    clock = RedisClock(first)
+    second = RedisLedger.from_url(
+        redis.url, cluster=isinstance(redis, RedisCluster), timeout_s=PATIENT_S
+    )
+    fast = replace(TERMS, jitter_s=0.0, grace_s=30.0)
+    try:
+        await fill(first, x_ends_s=0.2, y_ends_s=0.2)
+        answers = []
+        for i, (replica, tenant) in enumerate([(first, "a"), (second, "b")] * 2):
+            asked = promised(f"{tenant}{i}", 30, f"{tenant}{i}", tenant=tenant, terms=fast)
+            answers.append(await replica.reserve(asked))
+        assert all(a.outcome is Outcome.POOL_WATERMARK and a.promised for a in answers)
+        t1 = await clock.now()
+        await clock.reach(t1 + max(a.retry_after_s or 0.0 for a in answers) + 0.002)
+        for i, (replica, tenant) in enumerate([(second, "a"), (first, "b")] * 2):
+            retry = promised(f"{tenant}{i}b", 30, f"{tenant}{i}", tenant=tenant, terms=fast)
+            assert (await replica.reserve(retry)).waiting_s > 0
+        assert (await second.usage("p")).holding == 120
+        for tenant in "xy":
+            await first.release(ending(tenant, 50, None, tenant=tenant).lease())
+        whole = await second.reserve(ending("c", 100, 1.0, tenant="c", quota=100))
+        assert (whole.outcome, whole.holding) == (Outcome.ADMITTED, 0)
+        await second.release(ending("c", 100, None, tenant="c").lease())
+        again = await first.reserve(ending("c2", 100, 1.0, tenant="c", quota=100))
+        assert again.outcome is Outcome.ADMITTED
+        # a and b, each behind its own held retries: 60 held for a, so 41 more of a's do not fit.
+        assert (await first.reserve(ending("a-fresh", 41, 1.0))).outcome is Outcome.TENANT_QUOTA
+    finally:
+        await second.close()

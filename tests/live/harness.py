@@ -220,10 +220,12 @@ async def gateway(
     reservation: dict[str, Any] | None = None,
     metrics: bool = False,
     stop_after: str | None = None,
+    pool: dict[str, Any] | None = None,
 ) -> AsyncIterator[Gateway]:
     """Envoy + kvguard (capacity discovered from `vllm`'s /metrics) + the proxy in front of it.
-    `server` adds to kvguard's server settings, `reservation` is the pool's; with `metrics`
-    kvguard exposes /metrics on a port of its own; `stop_after` is the proxy's (see above)."""
+    `server` adds to kvguard's server settings, `reservation` is the pool's and `pool` adds to
+    the pool's settings; with `metrics` kvguard exposes /metrics on a port of its own;
+    `stop_after` is the proxy's (see above)."""
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / "kvguard.yaml"
     port = free_port()
@@ -234,6 +236,7 @@ async def gateway(
         config["server"]["metrics_listen"] = f"127.0.0.1:{metrics_port}"
     if reservation is not None:
         config["pools"][0]["reservation"] = reservation
+    config["pools"][0].update(pool or {})
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     proxy = RecordingProxy(vllm.url, stop_after=stop_after)
     await proxy.start()

@@ -4,10 +4,11 @@
 -- an outage) is recorded again WITHOUT limit checks: its request is running whatever the limits
 -- say, and the ledger must count it. A held lease sent with more blocks than it counts grows to
 -- them (pool and tenant reserved rise by the difference), also without checks; one sent with
--- fewer keeps its count: counted blocks never shrink.
+-- fewer keeps its count: counted blocks never shrink. A lease sent with an expected end is
+-- expected to end then; one sent without keeps its own (recorded again: its expiry).
 -- KEYS: all the keys of one pool (see lib.lua), hash-tagged {pool}.
--- ARGV[1] lease time (ms); then one triple per lease: ARGV[2+3i] lease id, ARGV[3+3i] tenant,
---   ARGV[4+3i] blocks.
+-- ARGV[1] lease time (ms); then four per lease: ARGV[2+4i] lease id, ARGV[3+4i] tenant,
+--   ARGV[4+4i] blocks, ARGV[5+4i] ms until it is expected to end ('': unchanged).
 -- Returns {leases recorded again, pool reserved (blocks) after this step, epoch}.
 --#include lib.lua
 
@@ -16,9 +17,13 @@ local now = now_ms()
 reclaim(now)
 local current = epoch()
 local added = 0
-for i = 2, #ARGV, 3 do
+for i = 2, #ARGV, 4 do
   local lease_id, tenant = ARGV[i], ARGV[i + 1]
   local blocks = positive_int(ARGV[i + 2], 'blocks')
+  local ends_at = nil
+  if ARGV[i + 3] ~= '' then
+    ends_at = now + non_negative_int(ARGV[i + 3], 'expected end (ms)')
+  end
   local value = redis.call('HGET', KEYS[1], lease_id)
   if value then
     redis.call('ZADD', KEYS[2], 'XX', now + lease_ms, lease_id)
@@ -26,8 +31,11 @@ for i = 2, #ARGV, 3 do
     if blocks > counted then
       grow(lease_id, held_by, blocks - counted, blocks)
     end
+    if ends_at then
+      expect_end(lease_id, held_by, ends_at)
+    end
   else
-    record(lease_id, tenant, blocks, now + lease_ms)
+    record(lease_id, tenant, blocks, now + lease_ms, ends_at or now + lease_ms)
     added = added + 1
   end
 end

@@ -1,9 +1,10 @@
--- usage: what one pool holds, after reclaiming expired leases and promises (and starting to hold
--- the promises due to), read in one atomic step.
+-- usage: what one pool holds, after reclaiming expired leases and promises, read in one atomic
+-- step.
 -- KEYS: all the keys of one pool (see lib.lua), hash-tagged {pool}.
 -- ARGV: none.
 -- Returns {pool reserved (blocks), number of leases, {tenant1, blocks1, tenant2, blocks2, ...},
---   blocks promised (not in reserved), number of promises, of the promised blocks those held}.
+--   blocks promised (not in reserved), number of promises, of the promised blocks those held for
+--   retries that came back}.
 --#include lib.lua
 
 reclaim(now_ms())
