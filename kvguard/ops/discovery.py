@@ -31,6 +31,12 @@ vLLM's queues (`vllm:num_requests_waiting`) are summed as the blocks it holds ar
 
 vLLM's /metrics holds some 90 families; only the lines of those read here reach the parser
 (`relevant`), which keeps a refresh on the event loop short.
+
+A pool whose /metrics sit behind a key (`capacity.api_key_file`) is asked with
+`Authorization: Bearer <the file's key>`, the file read again at every refresh so that a rotated
+Secret applies at once, and without following redirects (which would carry the key elsewhere).
+An absent file sends no key: that is a Secret left out. vLLM's own `--api-key` guards its API
+(/v1 and the like), not /metrics.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 from prometheus_client.metrics_core import Metric
@@ -492,7 +499,9 @@ class Discovery:
             if only_due and now < state.next_due:
                 continue
             state.next_due = now + refresh_seconds
-            rounds.append(self._refresh_pool(session, name, state, endpoints))
+            rounds.append(
+                self._refresh_pool(session, name, state, endpoints, capacity.api_key_file)
+            )
         await asyncio.gather(*rounds)
 
     async def _resolved(self, name: str, state: _Pool, service: str) -> list[str]:
@@ -518,14 +527,20 @@ class Discovery:
         return urls
 
     async def _refresh_pool(
-        self, session: aiohttp.ClientSession, name: str, state: _Pool, endpoints: Iterable[str]
+        self,
+        session: aiohttp.ClientSession,
+        name: str,
+        state: _Pool,
+        endpoints: Iterable[str],
+        api_key_file: str | None,
     ) -> None:
         urls = list(endpoints)
         timeout = min(MAX_FETCH_SECONDS, state.refresh_seconds)
+        credential = read_credential(api_key_file)
         # An endpoint that fails in a way no one foresaw is one more error, never a round that
         # stops short of publishing (which would keep the other endpoints' readings forever).
         results = await asyncio.gather(
-            *(_fetch(session, url, timeout) for url in urls), return_exceptions=True
+            *(_fetch(session, url, timeout, credential) for url in urls), return_exceptions=True
         )
         if not self._still_discovers(name, state, urls):
             log.info("pool %s: a capacity reading from before a reload is dropped", name)
@@ -700,14 +715,56 @@ class Discovery:
                     await asyncio.wait_for(stop.wait(), max(wait, 0.01))
 
 
-async def _fetch(session: aiohttp.ClientSession, url: str, timeout: float) -> EndpointReading | str:
+@dataclass(frozen=True, slots=True)
+class Credential:
+    """What /metrics is asked with: the headers, a note for an answer that refuses them, or
+    why the key cannot be used (then no endpoint is asked). Its repr shows no key."""
+
+    headers: Mapping[str, str] = field(default_factory=dict, repr=False)
+    note: str = ""
+    error: str | None = None
+
+
+def read_credential(api_key_file: str | None) -> Credential:
+    """The Bearer key held in `api_key_file` (surrounding whitespace dropped): none without a
+    file named or while it is absent; an error when it cannot be read, is empty, or holds more
+    than one line. Messages name the file, never its content."""
+    if api_key_file is None:
+        return Credential()
+    where = f"capacity.api_key_file {api_key_file}"
+    try:
+        key = Path(api_key_file).read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        return Credential(note=f"no key sent: {where} does not exist")
+    except OSError as exc:
+        return Credential(error=f"{where} cannot be read: {exc.strerror or type(exc).__name__}")
+    except UnicodeDecodeError:
+        return Credential(error=f"{where} is not UTF-8 text")
+    if not key:
+        return Credential(error=f"{where} is empty")
+    if any(c in key for c in "\r\n"):
+        return Credential(error=f"{where} holds more than one line")
+    return Credential(headers={"Authorization": f"Bearer {key}"})
+
+
+async def _fetch(
+    session: aiohttp.ClientSession, url: str, timeout: float, credential: Credential
+) -> EndpointReading | str:
     """The endpoint's reading, or why there is none."""
+    if credential.error is not None:
+        return credential.error
     try:
         async with session.get(
-            metrics_url(url), timeout=aiohttp.ClientTimeout(total=timeout)
+            metrics_url(url),
+            headers=credential.headers,
+            allow_redirects=not credential.headers,
+            timeout=aiohttp.ClientTimeout(total=timeout),
         ) as response:
             if response.status != 200:
-                return f"/metrics answered HTTP {response.status}"
+                refused = response.status in (401, 403) and credential.note
+                return f"/metrics answered HTTP {response.status}" + (
+                    f" ({credential.note})" if refused else ""
+                )
             body = await response.read()
     except aiohttp.InvalidURL:
         return "not a URL the HTTP client can use"  # its message is the URL, credentials and all

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Self
@@ -141,8 +141,10 @@ class EnvoyProcess:
         *,
         concurrency: int = 2,
         log_level: str = "warn",
+        args: Sequence[str] = (),
     ) -> None:
         self._config = copy.deepcopy(dict(config))
+        self._args = list(args)  # more command-line options, e.g. a pod's
         self._workdir = workdir
         self._concurrency = concurrency
         self._log_level = log_level
@@ -202,6 +204,7 @@ class EnvoyProcess:
             "--concurrency", str(self._concurrency),
             "--log-level", self._log_level,
             "--admin-address-path", str(self._admin_path),
+            *self._args,
         ]  # fmt: skip
         self._process = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT

@@ -178,8 +178,9 @@ def apply_envoy_filter(bootstrap: Mapping[str, Any], envoy_filter: Resource) -> 
 
     Supported, as this repository uses them: CLUSTER ADD; CLUSTER MERGE matched by port;
     LISTENER MERGE; NETWORK_FILTER MERGE into the HTTP connection manager; HTTP_ROUTE MERGE into
-    every route; HTTP_FILTER INSERT_FIRST, and INSERT_BEFORE a named sub-filter. The gateway
-    listener stands for the one Istio builds (an ingress listener or virtualInbound).
+    every route of the action matched; HTTP_FILTER INSERT_FIRST, and INSERT_BEFORE a named
+    sub-filter. The gateway listener stands for the one Istio builds (an ingress listener or
+    virtualInbound), its routes for those Istio builds from a VirtualService.
     """
     config = copy.deepcopy(dict(bootstrap))
     clusters: list[dict[str, Any]] = config["static_resources"]["clusters"]
@@ -204,7 +205,8 @@ def apply_envoy_filter(bootstrap: Mapping[str, Any], envoy_filter: Resource) -> 
                 raise PatchError(f"{where}: only the HTTP connection manager is modelled")
             _merge(http_connection_manager(config), value["typed_config"])
         elif (apply_to, operation) == ("HTTP_ROUTE", "MERGE"):
-            for route in routes(config):
+            action = match.get("routeConfiguration", {}).get("vhost", {}).get("route", {})
+            for route in routes(config, action.get("action", "ANY")):
                 _merge(route, value)
         elif apply_to == "HTTP_FILTER" and operation == "INSERT_FIRST":
             http_filters(config).insert(0, copy.deepcopy(value))
@@ -220,21 +222,29 @@ def apply_envoy_filter(bootstrap: Mapping[str, Any], envoy_filter: Resource) -> 
     return config
 
 
-def routes(config: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Every route of the gateway listener's virtual hosts."""
-    return [route for host in virtual_hosts(config) for route in host["routes"]]
+# An EnvoyFilter route match's `action`, as the key of the Envoy route that has it.
+_ROUTE_ACTIONS = {"ROUTE": "route", "DIRECT_RESPONSE": "direct_response"}
+
+
+def routes(config: Mapping[str, Any], action: str = "ANY") -> list[dict[str, Any]]:
+    """The routes of the gateway listener's virtual hosts: every one, or those whose action is
+    `action` (as an EnvoyFilter matches them: ROUTE forwards, DIRECT_RESPONSE answers)."""
+    found = [route for host in virtual_hosts(config) for route in host["routes"]]
+    if action == "ANY":
+        return found
+    return [route for route in found if _ROUTE_ACTIONS[action] in route]
 
 
 def without_kvguard(config: Mapping[str, Any]) -> dict[str, Any]:
     """A copy of an envoy/envoy.yaml-shaped config without its ext_proc filter and kvguard
-    cluster, Envoy's own answers, access log and the limit header: what an EnvoyFilter must add
-    back."""
+    cluster, Envoy's own answers, access log and the headers of its routes to vLLM: what an
+    EnvoyFilter must add back."""
     result = copy.deepcopy(dict(config))
     filters = http_filters(result)
     filters[:] = [f for f in filters if f["name"] not in (EXT_PROC_FILTER, OBSERVE_FILTER)]
     for key in KVGUARD_HCM_KEYS:
         del http_connection_manager(result)[key]
-    for route in routes(result):
+    for route in routes(result, "ROUTE"):
         del route["response_headers_to_add"]
         del route["request_headers_to_remove"]
     clusters = result["static_resources"]["clusters"]

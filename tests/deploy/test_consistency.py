@@ -15,8 +15,16 @@ import yaml
 
 from kvguard import config as configs
 from kvguard.admission import policy
-from kvguard.testing.envoy import KVGUARD_CLUSTER, cluster, http_filter, http_filters, listener
+from kvguard.testing.envoy import KVGUARD_CLUSTER, cluster, http_filters, listener
 from tests.conftest import model_dir
+from tests.deploy.envoy_files import (
+    HEADER_MUTATION,
+    IDENTITY,
+    JWT_AUTHN,
+    envoy_files,
+    extra_clusters,
+    slot_filter,
+)
 from tests.deploy.manifests import (
     K8S,
     KUSTOMIZATIONS,
@@ -241,51 +249,101 @@ def test_external_redis_comes_from_a_secret() -> None:
     assert config.ledger.url == "rediss://r:6380/0"
 
 
-def test_tenant_header_is_set_by_authentication_and_stripped_from_clients() -> None:
-    """tenancy.header = the header jwt_authn sets = the header removed before it, everywhere."""
-    for name in KUSTOMIZATIONS:
-        resources = build(name)
-        header = kvguard_config(resources).tenancy.header
-        assert kvguard_config(resources).tenancy.identity == "header"
-        for envoy in envoy_configs(resources):
-            names = [f["name"] for f in http_filters(envoy)]
-            assert names[:2] == [
-                "envoy.filters.http.header_mutation",
-                "envoy.filters.http.jwt_authn",
-            ]
-            removed = http_filter(envoy, "envoy.filters.http.header_mutation")
-            assert removed["mutations"]["request_mutations"] == [{"remove": header}]
-            jwt = http_filter(envoy, "envoy.filters.http.jwt_authn")
-            for provider in jwt["providers"].values():
-                assert [c["header_name"] for c in provider["claim_to_headers"]] == [header]
-            assert all("requires" in rule for rule in jwt["rules"])
-        for value in envoy_filter_values(resources, "HTTP_FILTER"):
-            if "header_mutation" in value["typed_config"]["@type"]:
-                mutations = value["typed_config"]["mutations"]["request_mutations"]
-                assert mutations == [{"remove": header}]
-        for authn in of_kind(resources, "RequestAuthentication"):
-            for rule in authn["spec"]["jwtRules"]:
-                assert [h["header"] for h in rule["outputClaimToHeaders"]] == [header]
-                assert rule["forwardOriginalToken"] is False
-    for name in ISTIO:
-        resources = build(name)
-        (authn,) = of_kind(resources, "RequestAuthentication")
-        strip = [
-            p
-            for f in of_kind(resources, "EnvoyFilter")
-            for p in f["spec"]["configPatches"]
-            if p["applyTo"] == "HTTP_FILTER" and "header_mutation" in str(p["patch"]["value"])
-        ]
-        assert [p["patch"]["operation"] for p in strip] == ["INSERT_FIRST"]
-        # RequestAuthentication alone lets token-less requests in: a policy must require one.
-        policies = of_kind(resources, "AuthorizationPolicy")
-        assert any(
-            source["source"].get("requestPrincipals") == ["*"]
-            and p["spec"]["selector"] == authn["spec"]["selector"]
-            for p in policies
-            for rule in p["spec"]["rules"]
-            for source in rule.get("from", [])
-        )
+# How each kustomization knows the tenant: Envoy's jwt_authn (components/jwt-identity), Istio's
+# RequestAuthentication, kvguard's own map of API keys, or nobody (every request on the default
+# tier). Each is complete as shipped: no placeholder issuer where no JWT is verified.
+IDENTITIES = {
+    "base": "none",
+    "overlays/sample-vllm": "jwt",
+    "overlays/existing-vllm": "api_key",
+    "overlays/external-redis": "jwt",
+    "overlays/istio-gateway": "istio",
+    "overlays/istio-sidecar": "istio",
+}
+
+
+def test_every_kustomization_says_how_it_identifies_tenants() -> None:
+    assert set(IDENTITIES) == set(KUSTOMIZATIONS)
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_the_tenant_header_is_stripped_from_clients_first(name: str) -> None:
+    """Whoever sets tenancy.header, the client's own copy is removed before anything reads it."""
+    resources = build(name)
+    header = kvguard_config(resources).tenancy.header
+    for envoy in envoy_configs(resources):
+        first = http_filters(envoy)[0]
+        assert first["name"] == "envoy.filters.http.header_mutation"
+        assert first["typed_config"]["mutations"]["request_mutations"] == [{"remove": header}]
+    strip = [
+        p
+        for f in of_kind(resources, "EnvoyFilter")
+        for p in f["spec"]["configPatches"]
+        if p["applyTo"] == "HTTP_FILTER" and "header_mutation" in str(p["patch"]["value"])
+    ]
+    for patch in strip:
+        mutations = patch["patch"]["value"]["typed_config"]["mutations"]["request_mutations"]
+        assert mutations == [{"remove": header}]
+    assert [p["patch"]["operation"] for p in strip] == (
+        ["INSERT_FIRST"] if IDENTITIES[name] == "istio" else []
+    )
+    assert len(envoy_configs(resources)) + len(strip) == 1
+
+
+@pytest.mark.parametrize("name", [n for n, how in IDENTITIES.items() if how == "jwt"])
+def test_a_jwt_gateway_sets_the_header_from_a_verified_token_only(name: str) -> None:
+    resources = build(name)
+    tenancy = kvguard_config(resources).tenancy
+    assert tenancy.identity == "header"
+    files = envoy_files(resources)
+    jwt = slot_filter(files, IDENTITY)
+    assert jwt["@type"] == JWT_AUTHN
+    clusters = {c["name"] for c in extra_clusters(files)}
+    assert jwt["providers"]
+    for provider in jwt["providers"].values():
+        assert provider["issuer"]
+        assert provider["remote_jwks"]["http_uri"]["cluster"] in clusters
+        assert [c["header_name"] for c in provider["claim_to_headers"]] == [tenancy.header]
+        assert provider["forward"] is False  # vLLM never sees the token
+    assert jwt["rules"] and all("requires" in rule for rule in jwt["rules"])
+
+
+@pytest.mark.parametrize("name", [n for n, how in IDENTITIES.items() if how in ("none", "api_key")])
+def test_without_a_token_verifier_no_issuer_is_deployed(name: str) -> None:
+    """No JWT filter, no identity provider's address, no placeholder that would answer every
+    request 401: kvguard's tenancy alone decides."""
+    resources = build(name)
+    tenancy = kvguard_config(resources).tenancy
+    files = envoy_files(resources)
+    assert slot_filter(files, IDENTITY) == {"@type": HEADER_MUTATION, "mutations": {}}
+    assert extra_clusters(files) == []
+    assert of_kind(resources, "RequestAuthentication") == []
+    assert "auth.example.com" not in yaml.safe_dump_all(resources)
+    if IDENTITIES[name] == "none":  # nobody sets the header: every request on the default tier
+        assert tenancy.identity == "header" and tenancy.default_tier is not None
+    else:  # the client's own API key, mapped by kvguard; unknown keys are refused
+        assert tenancy.identity == "api_key" and tenancy.default_tier is None
+
+
+@pytest.mark.parametrize("name", [n for n, how in IDENTITIES.items() if how == "istio"])
+def test_istio_sets_the_header_from_a_required_token(name: str) -> None:
+    resources = build(name)
+    tenancy = kvguard_config(resources).tenancy
+    assert tenancy.identity == "header"
+    (authn,) = of_kind(resources, "RequestAuthentication")
+    for rule in authn["spec"]["jwtRules"]:
+        assert rule["issuer"]
+        assert [h["header"] for h in rule["outputClaimToHeaders"]] == [tenancy.header]
+        assert rule["forwardOriginalToken"] is False
+    # RequestAuthentication alone lets token-less requests in: a policy must require one.
+    policies = of_kind(resources, "AuthorizationPolicy")
+    assert any(
+        source["source"].get("requestPrincipals") == ["*"]
+        and p["spec"]["selector"] == authn["spec"]["selector"]
+        for p in policies
+        for rule in p["spec"]["rules"]
+        for source in rule.get("from", [])
+    )
 
 
 @pytest.mark.parametrize("name", ISTIO)
@@ -400,9 +458,15 @@ def test_gateway_alone_deploys_no_vllm_and_no_model_volume(name: str) -> None:
 
 def test_sample_vllm_adds_the_pool_and_its_model_store() -> None:
     base, sample = build("base"), build("overlays/sample-vllm")
-    added = {(r["kind"], r["metadata"]["name"]) for r in sample} - {
-        (r["kind"], r["metadata"]["name"]) for r in base
-    }
+
+    def names(resources: tuple[Resource, ...]) -> set[tuple[str, str]]:
+        # Envoy's ConfigMap by its name without the content hash: jwt-identity changes it.
+        return {
+            (r["kind"], re.sub(r"^(kvguard-gateway-envoy)-\w+$", r"\1", r["metadata"]["name"]))
+            for r in resources
+        }
+
+    added = names(sample) - names(base)
     assert added == {
         ("StatefulSet", "vllm-qwen"),
         ("Service", "vllm-qwen"),
@@ -432,7 +496,9 @@ def test_existing_vllm_selects_the_users_pods_in_their_namespace() -> None:
 
 def test_vllm_in_another_namespace_is_an_alias(tmp_path: Path) -> None:
     """overlays/existing-vllm's commented alternative, uncommented, builds into an ExternalName
-    Service under the same name (a CNAME to the user's headless Service)."""
+    Service under the same name (a CNAME to the user's headless Service), with the edits
+    vllm.yaml lists for it: the kustomization's replacements go, and so does the NetworkPolicy
+    (it protects the pods of its own namespace only)."""
     overlay = tmp_path / "k8s" / "overlays" / "existing-vllm"
     shutil.copytree(K8S, tmp_path / "k8s")
     text = (overlay / "vllm.yaml").read_text()
@@ -440,10 +506,19 @@ def test_vllm_in_another_namespace_is_an_alias(tmp_path: Path) -> None:
     block = documents[0].split("# --- another namespace ---\n")[1].split("# --- end ---")[0]
     alias = "\n".join(line.removeprefix("# ") for line in block.splitlines())
     (overlay / "vllm.yaml").write_text("\n---\n".join([alias, *documents[1:]]))
+    kustomization = (overlay / "kustomization.yaml").read_text()
+    assert "replacements:" in kustomization
+    head, _, replacements = kustomization.partition("\nreplacements:\n")
+    assert all(line.startswith(("- ", "  ")) for line in replacements.splitlines())  # the last key
+    (overlay / "kustomization.yaml").write_text(head + "\n")
     resources = tuple(kustomize(overlay))
     spec = upstream_service(resources)["spec"]
     assert spec["type"] == "ExternalName" and spec["externalName"].endswith(".svc.cluster.local")
     assert "selector" not in spec and "clusterIP" not in spec
+    assert [p["metadata"]["name"] for p in of_kind(resources, "NetworkPolicy")] == [
+        "kvguard-gateway",
+        "kvguard-redis",
+    ]
     for resource in resources:
         validate(resource)
 
@@ -548,18 +623,18 @@ def test_gateway_egress_is_what_its_containers_need(name: str) -> None:
     allowed = {
         (p["port"], p["protocol"]) for rule in policy["spec"]["egress"] for p in rule["ports"]
     }
-    (envoy,) = envoy_configs(resources)
-    jwks = cluster(envoy, "jwks")["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
     ledger = urllib.parse.urlsplit(kvguard_config(resources).ledger.url).port
-    needed = {
-        (53, "UDP"),
-        (53, "TCP"),
-        (upstream_port(resources), "TCP"),
-        (ledger, "TCP"),
-        (jwks["endpoint"]["address"]["socket_address"]["port_value"], "TCP"),  # and the Hub
-    }
+    needed = {(53, "UDP"), (53, "TCP"), (upstream_port(resources), "TCP"), (ledger, "TCP")}
+    # The identity provider's JWKS (Envoy) and the Hugging Face Hub (kvguard-tokenizer).
+    for extra in extra_clusters(envoy_files(resources)):
+        (locality,) = extra["load_assignment"]["endpoints"]
+        for endpoint in locality["lb_endpoints"]:
+            needed.add((endpoint["endpoint"]["address"]["socket_address"]["port_value"], "TCP"))
+    if name in TOKENIZER_FETCHERS:
+        needed.add((443, "TCP"))
     assert needed <= allowed
-    assert allowed - needed <= {(6380, "TCP")}  # external-redis: rediss:// as well
+    # external-redis: rediss:// as well; 443 stays open for a JWKS or Hub that comes later.
+    assert allowed - needed <= {(6380, "TCP"), (443, "TCP")}
 
 
 def test_gateway_service_targets_the_gateway_listener() -> None:

@@ -1,6 +1,7 @@
 """Every Envoy configuration shipped in k8s/ passes `envoy --mode validate` (EnvoyFilter patches
 as part of a bootstrap of envoy/envoy.yaml's shape), carries exactly envoy/envoy.yaml's ext_proc
-settings, and the authenticated gateway really sets the tenant header from the token only."""
+settings, and the authenticated gateway (components/jwt-identity, its filter discovered from its
+file as in the pod) really sets the tenant header from the token only."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import json
 import socket
 import struct
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -31,11 +33,22 @@ from kvguard.testing.envoy import (
     http_filter,
     http_filters,
     listener,
-    render_envoy_config,
     validate_envoy_config,
     without_http_filter,
 )
 from kvguard.testing.upstream import RecordingUpstream
+from tests.deploy.envoy_files import (
+    CREDENTIAL,
+    IDENTITY,
+    WITH_API_KEY,
+    build_variant,
+    envoy_args,
+    envoy_files,
+    localized,
+    on_loopback,
+    static_form,
+    with_files,
+)
 from tests.deploy.manifests import (
     KUSTOMIZATIONS,
     KVGUARD_HCM_KEYS,
@@ -84,16 +97,31 @@ def test_configmaps_hold_the_gateway_config() -> None:
     assert [text for _, text in embedded] == [GATEWAY_CONFIG.read_text()]
 
 
-@pytest.mark.parametrize(("where", "text"), embedded_envoy_configs(), ids=lambda v: v[:40])
-def test_embedded_envoy_config_validates(tmp_path: Path, where: str, text: str) -> None:
-    path = tmp_path / "envoy.yaml"
-    path.write_text(text)
-    assert "OK" in validate_envoy_config(path), where
+# Every plain gateway as built, with the filters and clusters it chose.
+GATEWAYS = (*[n for n in KUSTOMIZATIONS if not n.startswith("overlays/istio")], WITH_API_KEY)
+
+
+@pytest.mark.parametrize("name", GATEWAYS)
+def test_each_gateway_validates_with_the_files_it_chose(tmp_path: Path, name: str) -> None:
+    """envoy.yaml as the pod reads it (its files beside it) and as one static bootstrap with
+    those files inlined: `--mode validate` reads no discovered file, the second form checks
+    them too, as strictly as envoy.yaml itself."""
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    (secret / "api-key").write_text("k")
+    files = localized(envoy_files(build_variant(name)), tmp_path / "etc-envoy", secret)
+    for form, config in (
+        ("discovered", yaml.safe_load(files["envoy.yaml"])),
+        ("static", static_form(files)),
+    ):
+        path = tmp_path / f"{form}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        assert "OK" in validate_envoy_config(path), f"{name} ({form})"
 
 
 def test_envoy_refuses_a_broken_gateway_config(tmp_path: Path) -> None:
-    config = yaml.safe_load(GATEWAY_CONFIG.read_text())
-    jwt = http_filter(config, "envoy.filters.http.jwt_authn")
+    config = static_form(envoy_files(build("overlays/sample-vllm")))
+    jwt = http_filter(config, IDENTITY)
     jwt["providers"]["tenants"]["claim_to_headers"][0]["header_nam"] = "x"
     path = tmp_path / "envoy.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -103,16 +131,18 @@ def test_envoy_refuses_a_broken_gateway_config(tmp_path: Path) -> None:
 
 def kvguard_settings(config: dict[str, Any]) -> dict[str, Any]:
     """What envoy/envoy.yaml sets for kvguard's sake: the ext_proc filter and the observing one,
-    the kvguard cluster, Envoy's own answers, the access log and each route's response headers
-    and removed request header."""
+    the kvguard cluster, Envoy's own answers, the access log, the response headers and removed
+    request header of each route to vLLM, and the routes that answer by themselves."""
     hcm = http_connection_manager(config)
+    forwarding = routes(config, "ROUTE")
     return {
         "ext_proc": http_filter(config, EXT_PROC_FILTER),
         "observe": http_filter(config, OBSERVE_FILTER),
-        "request_headers_to_remove": [r["request_headers_to_remove"] for r in routes(config)],
+        "request_headers_to_remove": [r["request_headers_to_remove"] for r in forwarding],
         "cluster": cluster(config, KVGUARD_CLUSTER),
         **{key: hcm[key] for key in KVGUARD_HCM_KEYS},
-        "response_headers_to_add": [r["response_headers_to_add"] for r in routes(config)],
+        "response_headers_to_add": [r["response_headers_to_add"] for r in forwarding],
+        "direct_responses": routes(config, "DIRECT_RESPONSE"),
     }
 
 
@@ -122,13 +152,7 @@ def test_gateway_config_keeps_envoy_yamls_ext_proc_settings() -> None:
     for key in ("per_connection_buffer_limit_bytes",):
         assert listener(gateway)[key] == listener(shipped())[key]
     names = [f["name"] for f in http_filters(gateway)]
-    assert names == [
-        HEADER_FIRST,
-        "envoy.filters.http.jwt_authn",
-        EXT_PROC_FILTER,
-        OBSERVE_FILTER,
-        ROUTER,
-    ]
+    assert names == [HEADER_FIRST, IDENTITY, EXT_PROC_FILTER, OBSERVE_FILTER, CREDENTIAL, ROUTER]
 
 
 @pytest.mark.parametrize(("where", "envoy_filter"), envoy_filters(), ids=lambda v: str(v)[:40])
@@ -177,23 +201,36 @@ def token(claims: dict[str, Any], secret: bytes = SECRET) -> str:
     return f"{header}.{body}.{b64url(signature)}"
 
 
-def local_gateway(upstream_port: int) -> dict[str, Any]:
-    """k8s/base/gateway/envoy.yaml on loopback, without ext_proc (no kvguard here), its JWKS
-    inline (an HS256 test key) instead of fetched from the identity provider."""
-    config = render_envoy_config(
-        GATEWAY_CONFIG, listen_port=0, admin_port=0, kvguard_port=1, upstream_port=upstream_port
-    )
-    config = without_http_filter(without_http_filter(config, EXT_PROC_FILTER), OBSERVE_FILTER)
-    health = listener(config, "health")["address"]["socket_address"]
-    health.update(address="127.0.0.1", port_value=0)
-    provider = http_filter(config, "envoy.filters.http.jwt_authn")["providers"]["tenants"]
+# The gateway of overlays/sample-vllm: components/jwt-identity's filter in its slot.
+JWT_GATEWAY = "overlays/sample-vllm"
+
+
+def local_gateway(
+    folder: Path, upstream_port: int, edit: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
+    """overlays/sample-vllm's gateway on loopback, its files discovered from `folder` as in the
+    pod, without ext_proc (no kvguard here), its JWKS inline (an HS256 test key) instead of
+    fetched from the identity provider; `edit` changes the provider."""
+    files = envoy_files(build(JWT_GATEWAY))
+    identity = yaml.safe_load(files["identity.yaml"])
+    provider = identity["resources"][0]["typed_config"]["providers"]["tenants"]
     assert (provider["issuer"], provider["audiences"]) == (ISSUER, [AUDIENCE])
     del provider["remote_jwks"]
     jwks = {"keys": [{"kty": "oct", "alg": "HS256", "kid": "test", "k": b64url(SECRET)}]}
     provider["local_jwks"] = {"inline_string": json.dumps(jwks)}
+    if edit is not None:
+        edit(provider)
+    files = with_files(files, {"identity.yaml": identity, "clusters.yaml": {"resources": []}})
+    config = on_loopback(files, folder, kvguard_port=1, upstream_port=upstream_port)
+    config = without_http_filter(without_http_filter(config, EXT_PROC_FILTER), OBSERVE_FILTER)
     clusters = config["static_resources"]["clusters"]
-    clusters[:] = [c for c in clusters if c["name"] not in ("jwks", KVGUARD_CLUSTER)]
+    clusters[:] = [c for c in clusters if c["name"] != KVGUARD_CLUSTER]
     return config
+
+
+def run(config: dict[str, Any], tmp_path: Path) -> EnvoyProcess:
+    """A real Envoy for `config`, with the options the gateway pod gives it."""
+    return EnvoyProcess(config, tmp_path, args=envoy_args(build(JWT_GATEWAY)))
 
 
 async def post(
@@ -216,8 +253,8 @@ async def test_tenant_header_comes_from_the_token_only(tmp_path: Path) -> None:
     body = {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
     forged = {"x-tenant-id": "someone-else"}
     try:
-        config = local_gateway(upstream.port)
-        async with EnvoyProcess(config, tmp_path) as envoy, aiohttp.ClientSession() as client:
+        config = local_gateway(tmp_path / "etc-envoy", upstream.port)
+        async with run(config, tmp_path) as envoy, aiohttp.ClientSession() as client:
             url = f"{envoy.url}/v1/chat/completions"
             assert await post(client, url, body, forged) == 401  # no token
             assert await post(client, url, body, forged | bearer(acme, b"wrong key")) == 401
@@ -238,13 +275,17 @@ async def test_client_tenant_header_is_removed_before_authentication(tmp_path: P
     """The first filter drops the client's copy by itself, whatever jwt_authn then does."""
     upstream = RecordingUpstream()
     await upstream.start()
-    config = local_gateway(upstream.port)
-    provider = http_filter(config, "envoy.filters.http.jwt_authn")["providers"]["tenants"]
-    provider["claim_to_headers"] = [{"header_name": "x-claimed-tenant", "claim_name": "tenant"}]
+    config = local_gateway(
+        tmp_path / "etc-envoy",
+        upstream.port,
+        lambda provider: provider.update(
+            claim_to_headers=[{"header_name": "x-claimed-tenant", "claim_name": "tenant"}]
+        ),
+    )
     claims = {"iss": ISSUER, "aud": AUDIENCE, "exp": int(time.time()) + 600, "tenant": "acme"}
     body = {"model": "m", "prompt": "a", "max_tokens": 1}
     try:
-        async with EnvoyProcess(config, tmp_path) as envoy, aiohttp.ClientSession() as client:
+        async with run(config, tmp_path) as envoy, aiohttp.ClientSession() as client:
             headers = {"x-tenant-id": "forged"} | bearer(claims)
             assert await post(client, f"{envoy.url}/v1/completions", body, headers) == 200
         (request,) = await upstream.wait_for_requests(1)
@@ -311,7 +352,7 @@ async def test_vllm_cluster_follows_an_alias_to_every_pod(tmp_path: Path) -> Non
     transport, _ = await loop.create_datagram_endpoint(AliasingDns, local_addr=("127.0.0.1", 0))
     dns_port = transport.get_extra_info("sockname")[1]
     shipped_vllm = cluster(yaml.safe_load(GATEWAY_CONFIG.read_text()), "vllm")
-    config = local_gateway(upstream_port=8000)
+    config = local_gateway(tmp_path / "etc-envoy", upstream_port=8000)
     vllm = cluster(config, "vllm")
     vllm["load_assignment"] = copy.deepcopy(shipped_vllm["load_assignment"])  # kvguard-vllm
     vllm["typed_dns_resolver_config"] = {
@@ -322,7 +363,7 @@ async def test_vllm_cluster_follows_an_alias_to_every_pod(tmp_path: Path) -> Non
         },
     }
     try:
-        async with EnvoyProcess(config, tmp_path) as envoy, aiohttp.ClientSession() as client:
+        async with run(config, tmp_path) as envoy, aiohttp.ClientSession() as client:
             hosts = await vllm_hosts(envoy, client, expected=len(ALIASED_PODS))
     finally:
         transport.close()
