@@ -5,8 +5,9 @@ and is admitted as soon as blocks free, or gets its 429 when its wait ends. A pr
 back at its time waits here too, for the rest of its held blocks, before every other waiter.
 One pump per pool tries the waiters' claims, one at a time, in the queue's order: the tenant
 this process holds the fewest blocks for first, then first in, first out within a tenant. A
-waiter whose tenant is at its quota is passed over; a waiter that does not fit the pool stops
-the pass (the order holds: smaller claims behind it do not take the blocks it waits for).
+waiter whose tenant is at its quota, or that counted blocks held for its tenant's retries, is
+passed over; any other waiter that does not fit the pool stops the pass (the order holds:
+smaller claims behind it do not take the blocks it waits for).
 
 The pump runs when something may have freed blocks (`notify`): a release, a capacity or policy
 change, a new waiter, and the moment the ledger says a lease or a promise ends by itself.
@@ -175,7 +176,9 @@ class AdmissionQueue:
                 self._wake_at(pool, state, reservation.changes_in_s)
                 if waiter.promised:
                     continue  # its blocks are held for it: it takes nothing from the others
-                if reservation.outcome is Outcome.TENANT_QUOTA:
+                if reservation.outcome is Outcome.TENANT_QUOTA or reservation.holding:
+                    # Blocks held for its tenant's own retries count for it alone: another
+                    # tenant's waiter is never held back by them.
                     at_quota.add(waiter.tenant)
                 else:
                     return  # the pool is full for this one: those after it wait their turn

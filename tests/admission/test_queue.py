@@ -1,7 +1,9 @@
 """The admission queue (kvguard.admission.queue) on the memory ledger: waiters are admitted as
 blocks free, the tenant holding the fewest blocks first and first in, first out within a tenant;
-a tenant at its quota is passed over, a waiter that does not fit the pool holds its place; a
-wait ends in None, a full queue refuses at once, and a waiter that leaves reserves nothing."""
+a tenant at its quota is passed over, a waiter that does not fit the pool holds its place
+(unless blocks held for its own tenant's retry are what it waits for: another tenant's waiter
+never waits for them); a wait ends in None, a full queue refuses at once, and a waiter that
+leaves reserves nothing."""
 
 from __future__ import annotations
 
@@ -205,3 +207,21 @@ async def test_a_waiter_wakes_when_a_promise_ends_by_itself() -> None:
     await asyncio.wait_for(waiting, 5)  # no release: the ledger said when the promise ends
     assert admitted(waiting) == "w"
     assert (await q.ledger.usage("p")).promises == 0
+
+
+async def test_blocks_held_for_a_tenants_retry_never_hold_back_another_tenants_waiter() -> None:
+    q = Queued()
+    leases = Claim("leases", "p", "filler", 40, LIMIT, LIMIT, 60, ends_in_s=0)
+    assert (await q.ledger.reserve(leases)).lease is not None
+    # Tenant a's retry came back at its time: 70 blocks held against a's own later claims.
+    terms = Terms(max_wait_s=5.0, jitter_s=0.0, grace_s=LONG_S)
+    promise = Claim("promised", "p", "a", 70, LIMIT, QUOTA, 60, "k" * 32, terms, ends_in_s=0)
+    assert (await q.ledger.reserve(promise)).promised
+    assert (await q.ledger.reserve(promise)).waiting_s > 0
+    first = q.wait("a-more", 10, "a")  # fits a's quota, not the pool beside a's held blocks
+    await q.until_queued(1)
+    other = q.wait("b", 20, "b")  # fits beside the pool's leases: a's hold is not b's
+    await asyncio.wait_for(other, 5)
+    assert admitted(other) == "b"
+    assert not first.done()
+    first.cancel()
