@@ -97,7 +97,9 @@ def chat_input(body: Mapping[str, Any], tokenizer: PoolTokenizer) -> ChatInput:
 
 
 def _check_message(message: Any, i: int) -> None:
-    if not isinstance(message, dict) or message.get("role") not in _ROLES:
+    # A role or type that is a list or an object is refused, not looked up (it is unhashable).
+    role = message.get("role") if isinstance(message, dict) else None
+    if not isinstance(role, str) or role not in _ROLES:
         raise TokenizerError(f"messages[{i}] must be an object with role user, assistant or system")
     content: Any = message.get("content")
     if isinstance(content, str):
@@ -112,7 +114,8 @@ def _check_blocks(blocks: object, where: str) -> None:
     if not isinstance(blocks, list):
         raise TokenizerError(f"{where} must be a string or an array of content blocks")
     for j, block in enumerate(blocks):
-        if not isinstance(block, dict) or block.get("type") not in _BLOCK_TYPES:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if not isinstance(kind, str) or kind not in _BLOCK_TYPES:
             raise TokenizerError(f"{where}[{j}] must be a content block with a known 'type'")
         for key, types in _BLOCK_FIELDS:
             if not isinstance(block.get(key), types):

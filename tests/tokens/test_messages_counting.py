@@ -633,7 +633,10 @@ def test_what_parse_reads() -> None:
     ("messages", "says"),
     [
         ([{"role": "tool", "content": "x"}], "role user, assistant or system"),
+        # Unhashable values are refused as well (a set lookup would raise TypeError: a 503).
+        ([{"role": ["user"], "content": "x"}], "role user, assistant or system"),
         ([user([{"type": "video", "x": 1}])], "known 'type'"),
+        ([user([{"type": ["text"], "text": "x"}])], "known 'type'"),
         ([user([{"type": "text", "text": 5}])], "wrong type"),
         (
             [user([{"type": "tool_addition", "tool": {"type": "tool_reference", "name": "x"}}])],
@@ -678,6 +681,13 @@ def test_messages_vllm_cannot_render_are_refused(
     assert refused.value.code.value == "invalid_request"
     assert refused.value.param == "messages"
     assert says in refused.value.message
+
+
+def test_a_system_block_without_a_string_type_is_refused(qwen: PoolTokenizer) -> None:
+    with pytest.raises(Refusal) as refused:
+        _count(qwen, {"system": [{"type": {"text": "x"}}], "messages": [ASK]})
+    assert (refused.value.code.value, refused.value.param) == ("invalid_request", "messages")
+    assert "known 'type'" in refused.value.message
 
 
 def test_an_image_counts_what_the_pool_declares(qwen: PoolTokenizer, qwen_hf: Any) -> None:
