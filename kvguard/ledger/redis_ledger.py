@@ -12,8 +12,8 @@ most. Deciding what to do then is `ResilientLedger`'s job.
 
 Every script that frees blocks (a release, or a reclaim of expired leases and promises) publishes
 them on the pool's sharded pub/sub channel `kvguard:{pool}:freed` (SPUBLISH, Redis 7: the
-channel lives in the pool's slot). `subscribe(pools)` listens to those channels and calls
-`on_freed(pool)` for each message, so that a release by any replica wakes this one's waiters.
+channel lives in the pool's slot); `subscribe(pools)` listens to them (kvguard/ledger/freed.py),
+so that a release by any replica wakes this one's waiters.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
-from redis.asyncio.client import PubSub
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -47,7 +46,7 @@ from kvguard.ledger import (
     Reservation,
     Terms,
 )
-from kvguard.tasks import cancel_and_wait
+from kvguard.ledger.freed import FreedSubscription
 
 log = logging.getLogger(__name__)
 
@@ -80,13 +79,6 @@ UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
     OSError,
     TimeoutError,
 )
-
-# The subscription to the pools' channels: a connection silent this long is sent a PING, and
-# one that stays silent as long again counts as broken (a peer gone without closing it). A
-# broken subscription is opened again after a backoff from CONNECT_TIMEOUT_S, doubling up to
-# RESUBSCRIBE_MAX_S.
-KEEPALIVE_S = 10.0
-RESUBSCRIBE_MAX_S = 2.0
 
 _OUTCOMES = {0: Outcome.ADMITTED, 1: Outcome.TENANT_QUOTA, 2: Outcome.POOL_WATERMARK}
 _NONE = -1  # reserve.lua's times for "never" / "no retry" / "nothing due"
@@ -152,12 +144,6 @@ def end_keys(pool: str) -> list[str]:
     return [f"{tag}:ends", f"{tag}:tenant-ends"]
 
 
-def freed_channel(pool: str) -> str:
-    """The sharded pub/sub channel on which the scripts publish the blocks freed in `pool`
-    (lib.lua, publish_freed): the pool's hash tag, so its slot."""
-    return f"kvguard:{{{pool}}}:freed"
-
-
 def all_keys(pool: str) -> list[str]:
     """The KEYS of every script for `pool` (lib.lua)."""
     return [*pool_keys(pool), *promise_keys(pool), *end_keys(pool)]
@@ -218,19 +204,6 @@ def connect(url: str, *, cluster: bool = False, timeout_s: float | None = None) 
     return aioredis.Redis.from_pool(pool)
 
 
-class _Subscriber(PubSub):
-    """A PubSub that reports when redis-py connects it again (and subscribed it again) after
-    its connection broke: messages may have been lost meanwhile."""
-
-    def __init__(self, pool: Any, on_reconnect: Callable[[], None]) -> None:
-        super().__init__(pool)
-        self._on_reconnect = on_reconnect
-
-    async def on_connect(self, connection: Any) -> None:
-        await super().on_connect(connection)
-        self._on_reconnect()
-
-
 @dataclass
 class _QueuedReleases:
     """Releases of one pool waiting for the release call in flight, to go in the next one."""
@@ -276,12 +249,13 @@ class RedisLedger:
         self._epochs: dict[str, str] = {}
         self.on_reset = on_reset
         self.on_release_lost = on_release_lost
-        self.on_freed = on_freed
-        # The pools given to subscribe(), and those whose channels are subscribed now.
-        self._wanted: frozenset[str] = frozenset()
-        self.subscribed: frozenset[str] = frozenset()
-        self._subscriber: asyncio.Task[None] | None = None
-        self._closed = False
+        self._subscription = FreedSubscription(
+            client,
+            discover=self._discover,
+            rediscover=self._forget_slots,
+            backoff_s=CONNECT_TIMEOUT_S,
+            on_freed=on_freed,
+        )
         self._queued_releases: dict[str, _QueuedReleases] = {}
         self._releasing: dict[str, asyncio.Task[None]] = {}  # per pool, while calls are due
 
@@ -298,6 +272,10 @@ class RedisLedger:
                 if self._needs_discovery:
                     await self._client.initialize()
                     self._needs_discovery = False
+
+    def _forget_slots(self) -> None:
+        """Make the next command learn a cluster's slots again (they may have moved)."""
+        self._needs_discovery = self._cluster
 
     async def _call(self, op: Callable[[], Awaitable[T]]) -> T:
         try:
@@ -497,179 +475,28 @@ class RedisLedger:
         seconds, micros = await self._call(self._client.time)
         return int(seconds) + int(micros) / 1e6
 
+    @property
+    def on_freed(self) -> Callable[[str], None] | None:
+        return self._subscription.on_freed
+
+    @on_freed.setter
+    def on_freed(self, callback: Callable[[str], None] | None) -> None:
+        self._subscription.on_freed = callback
+
+    @property
+    def subscribed(self) -> frozenset[str]:
+        """The pools whose channels are subscribed now (all of those given to subscribe(),
+        or none)."""
+        return self._subscription.subscribed
+
     def subscribe(self, pools: Iterable[str]) -> None:
-        """Call `on_freed(pool)` whenever blocks of one of `pools` are freed, from now on (a
-        background task, which replaces the pools subscribed before; needs a running event
-        loop). Nothing is subscribed once closed."""
-        wanted = frozenset(pools)
-        running = self._subscriber is not None and not self._subscriber.done()
-        if self._closed or (wanted == self._wanted and (running or not wanted)):
-            return
-        # The pools subscribed before and still wanted may miss a message while the
-        # subscription is opened again: they are checked once it is.
-        recheck = wanted & self.subscribed
-        self._wanted = wanted
-        previous, self._subscriber = self._subscriber, None
-        if wanted or previous is not None:
-            self._subscriber = asyncio.get_running_loop().create_task(
-                self._subscribe_forever(wanted, recheck, previous)
-            )
-
-    async def _subscribe_forever(
-        self, pools: frozenset[str], recheck: frozenset[str], previous: asyncio.Task[None] | None
-    ) -> None:
-        """Keep `pools` subscribed, opening the subscription again (after a bounded backoff)
-        whenever it breaks; nothing raised here ends it."""
-        if previous is not None:
-            await cancel_and_wait([previous])
-        self.subscribed = frozenset()
-        delay, quiet = CONNECT_TIMEOUT_S, False
-        while pools:
-            opened = False
-
-            def ready() -> None:
-                nonlocal opened
-                opened = True
-
-            try:
-                await self._subscribe_once(pools, recheck, ready)
-            except Exception as exc:  # e.g. Redis gone: its waiters keep their own timers
-                if opened:
-                    delay, quiet = CONNECT_TIMEOUT_S, False
-                log.log(
-                    logging.DEBUG if quiet else logging.WARNING,
-                    "ledger: subscription to the freed blocks of %s broke (%s: %s); "
-                    "subscribing again",
-                    ", ".join(sorted(pools)),
-                    type(exc).__name__,
-                    exc,
-                )
-                quiet = True  # until it was open again
-            self.subscribed = frozenset()
-            self._needs_discovery = self._cluster  # the slots may have moved
-            recheck = pools
-            # Pacing of a reconnection, not synchronisation.
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, RESUBSCRIBE_MAX_S)
-
-    async def _subscribe_once(
-        self, pools: frozenset[str], recheck: frozenset[str], ready: Callable[[], None]
-    ) -> None:
-        """Subscribe to the channels of `pools` (one connection per node that serves them) and
-        deliver their messages until a connection breaks (raises). Once every channel is
-        subscribed: `ready()`, and `on_freed` for each pool of `recheck`."""
-        by_node = await self._channels_by_node(pools)
-        unconfirmed = set(pools)
-        owned: list[Any] = []  # connection pools opened here, for cluster nodes
-        subscribers: list[_Subscriber] = []
-        listeners: list[asyncio.Task[None]] = []
-
-        def confirmed(pool: str) -> None:
-            if pool in unconfirmed:
-                unconfirmed.discard(pool)
-                if not unconfirmed:
-                    self.subscribed = pools
-                    ready()
-                    self._recheck(sorted(recheck))
-
-        try:
-            for connections, channels, own in by_node:
-                if own:
-                    owned.append(connections)
-                names = sorted(set(channels.values()))
-                subscriber = _Subscriber(connections, partial(self._recheck, names))
-                subscribers.append(subscriber)
-                for channel in channels:
-                    # One per call: a cluster refuses channels of different slots together.
-                    await subscriber.ssubscribe(channel)
-                listeners.append(
-                    asyncio.get_running_loop().create_task(
-                        self._listen(subscriber, channels, confirmed)
-                    )
-                )
-            done, _ = await asyncio.wait(listeners, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                task.result()  # raises why it ended
-            raise rexc.ConnectionError("the subscription ended")
-        finally:
-            await cancel_and_wait([task for task in listeners if not task.done()])
-            for subscriber in subscribers:
-                await subscriber.aclose()  # type: ignore[no-untyped-call]
-            for connections in owned:
-                await connections.disconnect()
-
-    async def _channels_by_node(
-        self, pools: Iterable[str]
-    ) -> list[tuple[Any, dict[bytes, str], bool]]:
-        """The channels of `pools` (as messages name them, to their pool) grouped by the node
-        that serves them, with a connection pool to that node (True: opened here, for a
-        cluster node, and to be disconnected after use)."""
-        channels = {freed_channel(pool).encode(): pool for pool in pools}
-        if not self._cluster:
-            return [(self._client.connection_pool, channels, False)]
-        await self._discover()
-        nodes: dict[str, tuple[Any, dict[bytes, str], bool]] = {}
-        for channel, pool in channels.items():
-            node = self._client.get_node_from_key(channel)
-            if node is None:
-                raise rexc.ClusterDownError(f"no node serves {channel!r}")
-            if node.name not in nodes:
-                # A connection apart, with the node's settings: its own pool serves commands.
-                connections = aioredis.ConnectionPool(
-                    connection_class=node.connection_class,
-                    max_connections=1,
-                    **node.connection_kwargs,
-                )
-                nodes[node.name] = (connections, {}, True)
-            nodes[node.name][1][channel] = pool
-        return list(nodes.values())
-
-    async def _listen(
-        self, subscriber: _Subscriber, channels: dict[bytes, str], confirmed: Callable[[str], None]
-    ) -> None:
-        """Deliver one connection's messages until it breaks (raises): blocks freed, and the
-        confirmation of each subscription."""
-        pinged = False
-        while True:
-            message = await subscriber.get_message(timeout=KEEPALIVE_S)
-            if message is None:
-                if pinged:
-                    raise rexc.ConnectionError(f"no answer to a PING within {KEEPALIVE_S:g} s")
-                await subscriber.ping()
-                pinged = True
-                continue
-            pinged = False
-            kind = _text(message["type"])
-            pool = channels.get(message["channel"]) if message["channel"] is not None else None
-            if pool is None:
-                continue
-            if kind == "smessage":
-                self._freed(pool)
-            elif kind == "ssubscribe":
-                confirmed(pool)
-            elif kind == "sunsubscribe":
-                # Redis unsubscribes a shard channel whose slot moved to another node.
-                raise rexc.ConnectionError(f"{message['channel']!r} was unsubscribed")
-
-    def _recheck(self, pools: Iterable[str]) -> None:
-        for pool in pools:
-            self._freed(pool)
-
-    def _freed(self, pool: str) -> None:
-        if self.on_freed is None:
-            return
-        try:
-            self.on_freed(pool)
-        except Exception:
-            log.exception("ledger: on_freed(%r) failed", pool)
+        """Call `on_freed(pool)` whenever blocks of one of `pools` are freed (freed.py)."""
+        self._subscription.subscribe(pools)
 
     async def close(self) -> None:
         """Stop the subscription, let the release calls under way finish (the client's
         timeouts bound them), then close the connections."""
-        self._closed = True
-        if self._subscriber is not None:
-            await cancel_and_wait([self._subscriber])
-            self._subscriber = None
+        await self._subscription.close()
         await asyncio.gather(*self._releasing.values(), return_exceptions=True)
         await self._client.aclose()
 

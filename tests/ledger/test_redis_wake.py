@@ -19,8 +19,9 @@ from kvguard.admission import policy as policies
 from kvguard.admission.queue import AdmissionQueue
 from kvguard.app import Service
 from kvguard.ledger import Lease, Outcome
-from kvguard.ledger import redis_ledger as redis_ledger_module
-from kvguard.ledger.redis_ledger import RedisLedger, freed_channel
+from kvguard.ledger import freed as freed_module
+from kvguard.ledger.freed import freed_channel
+from kvguard.ledger.redis_ledger import RedisLedger
 from kvguard.ledger.resilient import ResilientLedger
 from kvguard.testing.redis import RedisServer
 from kvguard.testing.wait import wait_until
@@ -297,7 +298,7 @@ async def test_a_silent_subscription_counts_as_broken(
 ) -> None:
     """A connection whose peer went silent without closing it (its answers held back): a PING
     goes unanswered, the subscription is opened again, and the pool checked once it is."""
-    monkeypatch.setattr(redis_ledger_module, "KEEPALIVE_S", 0.2)
+    monkeypatch.setattr(freed_module, "KEEPALIVE_S", 0.2)
     redis_server.flushall()
     freed: Counter[str] = Counter()
     async with through_proxies(redis_server) as (proxies, ledger):
