@@ -49,7 +49,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvguard.ops.discovery import parse_cache_config  # noqa: E402
+from kvguard.ops.vllm_metrics import parse_cache_config  # noqa: E402
 from kvguard.sim.engine import Engine, EngineConfig, Sequence, StepCost  # noqa: E402
 from kvguard.sim.load import Planned, send_all  # noqa: E402
 from kvguard.sim.prompts import block_keys  # noqa: E402

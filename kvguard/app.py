@@ -27,7 +27,8 @@ from kvguard.ledger.replicas import ReplicaCount
 from kvguard.ledger.resilient import ResilientLedger
 from kvguard.ledger.url import from_url
 from kvguard.ops import replica_service, telemetry
-from kvguard.ops.discovery import Discovery, Resolver, resolve
+from kvguard.ops.discovery import Discovery
+from kvguard.ops.dns import Resolver, resolve
 from kvguard.ops.health import Health
 from kvguard.ops.metrics import Metrics
 from kvguard.tasks import cancel_and_wait

@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import sys
 from pathlib import Path
 
 import aiohttp
@@ -15,10 +14,11 @@ import pytest
 import yaml
 
 from kvguard import __version__ as kvguard_version
-from kvguard.ops.discovery import EndpointCache, parse_cache_config
+from kvguard.ops.vllm_metrics import EndpointCache, parse_cache_config
 from kvguard.testing import free_port
 from kvguard.testing.upstream import RecordingUpstream
 from kvguard.testing.wait import wait_until
+from tests.cli import TRACE, kvguard, line_of, run
 from tests.conftest import kvguard_config, write_config
 from tests.processes import (
     NOT_SERVING,
@@ -31,27 +31,6 @@ from tests.processes import (
 pytestmark = pytest.mark.integration
 
 PROMPT = "The quartermaster's private memo"
-
-
-def kvguard(*args: str) -> list[str]:
-    return [sys.executable, "-m", "kvguard", *args]
-
-
-async def run(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
-    process = await asyncio.create_subprocess_exec(
-        *kvguard(*args),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=None if env is None else {**os.environ, **env},
-    )
-    try:
-        out, err = await asyncio.wait_for(process.communicate(), 60)
-    except TimeoutError:
-        process.kill()
-        await process.wait()
-        raise
-    assert process.returncode is not None
-    return process.returncode, out.decode(), err.decode()
 
 
 async def test_check_config_summarises_a_good_file(tmp_path: Path) -> None:
@@ -75,12 +54,6 @@ async def test_check_config_says_what_the_local_fallback_divides_by(tmp_path: Pa
         "local shares: pool / the largest of the processes alive in Redis, the ready pods of "
         "Service kvguard-gateway-pods x server.workers" in out
     )
-
-
-def line_of(path: Path, text: str) -> int:
-    """The line (from 1) of the file's last line that holds `text`."""
-    lines = path.read_text(errors="replace").splitlines()
-    return max(i for i, line in enumerate(lines, 1) if text in line)
 
 
 async def test_check_config_names_the_file_and_key(tmp_path: Path) -> None:
@@ -321,9 +294,6 @@ async def test_a_second_process_on_a_taken_port_fails_to_start(tmp_path: Path) -
         code, _, err = await run("serve", "--config", str(path))
         assert code == 1
         assert f"error: {path}: cannot listen on 127.0.0.1:{port}" in err
-
-
-TRACE = Path(__file__).parent / "data" / "traces" / "vtc_lmsys_head80.csv"
 
 
 @pytest.mark.parametrize("command", ["version", "check-config", "simulate"])

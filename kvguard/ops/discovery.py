@@ -1,9 +1,7 @@
 """Capacity discovery: a pool's KV-cache size, read from its vLLM endpoints' /metrics.
 
-vLLM publishes its cache configuration as the labels of one gauge sample,
-``vllm:cache_config_info{block_size="128",num_gpu_blocks="64",...} 1.0``. A pool's capacity is
-sum(num_gpu_blocks - 1) over its endpoints (vLLM keeps one block back: its null block), and
-every endpoint must report the same block size (nothing assumes 16: the CPU backend uses 128).
+A pool's capacity is sum(num_gpu_blocks - 1) over its endpoints (`ops.vllm_metrics` reads each
+one's), and every endpoint must report the same block size.
 
 Each pool is refreshed every `capacity.refresh_seconds`. An endpoint that cannot be read keeps
 its last good reading for STALE_AFTER_REFRESHES refresh intervals; after that it counts for
@@ -28,266 +26,38 @@ divided by their seconds (`vllm:inter_token_latency_seconds`, or
 `vllm:time_per_output_token_seconds` on an older vLLM; a first reading counts what the server
 observed since it started; a round without any keeps the last rate). The requests waiting in
 vLLM's queues (`vllm:num_requests_waiting`) are summed as the blocks it holds are.
-
-vLLM's /metrics holds some 90 families; only the lines of those read here reach the parser
-(`relevant`), which keeps a refresh on the event loop short.
-
-A pool whose /metrics sit behind a key (`capacity.api_key_file`) is asked with
-`Authorization: Bearer <the file's key>`, the file read again at every refresh so that a rotated
-Secret applies at once, and without following redirects (which would carry the key elsewhere).
-An absent file sends no key: that is a Secret left out. vLLM's own `--api-key` guards its API
-(/v1 and the like), not /metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
-import math
-import socket
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import aiohttp
-from prometheus_client.metrics_core import Metric
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.samples import Sample
 
 from kvguard.admission.calibration import PRESSURE_SHARE, Calibration, calibrated
 from kvguard.admission.capacity import Capacities, PoolCapacity
-from kvguard.admission.outputs import Histogram, Observed, OutputLengths
+from kvguard.admission.outputs import Observed, OutputLengths
 from kvguard.admission.policy import Policy
 from kvguard.config.redact import redact
 from kvguard.config.schema import Capacity
+from kvguard.ops.dns import Resolver, resolve, service_urls
+from kvguard.ops.readings import Endpoint, Learnt, learn, total
+from kvguard.ops.scrape import fetch, read_credential, why
+from kvguard.ops.vllm_metrics import DiscoveryError, EndpointCache, EndpointReading
 
 log = logging.getLogger(__name__)
 
-CACHE_CONFIG_INFO = "vllm:cache_config_info"
-GENERATION_TOKENS = "vllm:request_generation_tokens"  # histogram: output tokens per request
-PARAMS_MAX_TOKENS = "vllm:request_params_max_tokens"  # histogram: the max_tokens they ran with
-KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"  # gauge: the share of blocks in use, 0 to 1
-NUM_PREEMPTIONS = "vllm:num_preemptions"  # counter (vllm:num_preemptions_total)
-REQUESTS_WAITING = "vllm:num_requests_waiting"  # gauge: requests in vLLM's queue
-INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"  # histogram: seconds between tokens
-TIME_PER_OUTPUT_TOKEN = "vllm:time_per_output_token_seconds"  # its name on an older vLLM
-# The families read, with the sample names each needs (name + suffix): only these lines of a
-# /metrics text are parsed.
-READ_FAMILIES: dict[str, tuple[str, ...]] = {
-    CACHE_CONFIG_INFO: ("",),
-    GENERATION_TOKENS: ("_bucket", "_count", "_sum"),
-    PARAMS_MAX_TOKENS: ("_bucket", "_count", "_sum"),
-    KV_CACHE_USAGE: ("",),
-    NUM_PREEMPTIONS: ("_total", ""),
-    REQUESTS_WAITING: ("",),
-    INTER_TOKEN_LATENCY: ("_count", "_sum"),
-    TIME_PER_OUTPUT_TOKEN: ("_count", "_sum"),
-}
 # An endpoint's last good reading is used for this many refresh intervals after it was read.
 STALE_AFTER_REFRESHES = 3
 # A refresh never waits longer than this for one endpoint.
 MAX_FETCH_SECONDS = 5.0
 # How often the loop looks at the policy for added or removed pools, at most.
 _IDLE_S = 1.0
-
-
-class DiscoveryError(Exception):
-    """An endpoint's /metrics (or a pool's endpoints together) cannot give a capacity."""
-
-
-@dataclass(frozen=True, slots=True)
-class EndpointCache:
-    """What one endpoint reports: usable blocks (null blocks taken off) and the block size."""
-
-    usable_blocks: int
-    block_size: int
-
-
-@dataclass(frozen=True, slots=True)
-class TokenIntervals:
-    """The intervals between a sequence's consecutive tokens that vLLM observed: how many, and
-    their seconds summed (its inter-token latency histogram's _count and _sum)."""
-
-    count: float
-    seconds: float
-
-    def since(self, earlier: TokenIntervals | None) -> TokenIntervals:
-        """The intervals observed after `earlier` was read; all of them when either counter
-        went down (the server restarted)."""
-        if earlier is None or self.count < earlier.count or self.seconds < earlier.seconds:
-            return self
-        return TokenIntervals(self.count - earlier.count, self.seconds - earlier.seconds)
-
-
-@dataclass(frozen=True, slots=True)
-class EndpointReading:
-    """One endpoint's /metrics as discovery reads it: the cache, and what its requests produced
-    since the server started (None where this vLLM does not export it)."""
-
-    cache: EndpointCache
-    generated: Histogram | None = None
-    requested: Histogram | None = None
-    used_blocks: int | None = None  # blocks vLLM holds now, from its KV-cache usage
-    preemptions: int | None = None  # preemptions since the server started
-    waiting: int | None = None  # requests waiting in its queue now
-    intervals: TokenIntervals | None = None  # between consecutive tokens, since it started
-
-
-def parse_cache_config(text: str) -> EndpointCache:
-    """The cache configuration in Prometheus exposition `text` from a vLLM /metrics.
-
-    One sample per engine (a data-parallel server has several, each with its own cache and its
-    own null block); their usable blocks add up. Raises DiscoveryError when the gauge is missing
-    or its labels are not usable.
-    """
-    return parse_metrics(text).cache
-
-
-def parse_metrics(text: str) -> EndpointReading:
-    """Everything discovery reads in a vLLM /metrics text (the lines of READ_FAMILIES only);
-    DiscoveryError as parse_cache_config."""
-    return reading(text_string_to_metric_families(relevant(text)))
-
-
-_PREFIXES = tuple(
-    start
-    for family, suffixes in READ_FAMILIES.items()
-    for name in {family, *(family + suffix for suffix in suffixes)}
-    for start in (f"{name}{{", f"{name} ", f"# HELP {name} ", f"# TYPE {name} ")
-)
-
-
-def relevant(text: str) -> str:
-    """The lines of a Prometheus text that belong to READ_FAMILIES: their # HELP and # TYPE
-    lines and their samples. Lines of other families are not parsed, so they cannot make a
-    text fail to parse either.
-
-    Each family's name is searched for in the whole text (a scan in C), and only the lines it
-    occurs in are looked at: the cost follows those few lines, not the text's thousands."""
-    starts: set[int] = set()
-    for family in READ_FAMILIES:
-        at = text.find(family)
-        while at >= 0:
-            start = text.rfind("\n", 0, at) + 1
-            if start not in starts and text.startswith(_PREFIXES, start):
-                starts.add(start)
-            at = text.find(family, at + len(family))
-    lines = []
-    for start in sorted(starts):  # in the text's order: a family's samples follow its # TYPE
-        end = text.find("\n", start)
-        lines.append(text[start:] + "\n" if end < 0 else text[start : end + 1])
-    return "".join(lines)
-
-
-def reading(families: Iterable[Metric]) -> EndpointReading:
-    """The cache configuration, the output-length histograms, the KV-cache usage and the
-    engine's counters in one pass over parsed metric families."""
-    samples: list[Sample] = []
-    histograms: dict[str, list[Sample]] = {GENERATION_TOKENS: [], PARAMS_MAX_TOKENS: []}
-    latencies: dict[str, list[Sample]] = {INTER_TOKEN_LATENCY: [], TIME_PER_OUTPUT_TOKEN: []}
-    usage: list[float] = []
-    preemptions: list[float] = []
-    waiting: list[float] = []
-    counter = (NUM_PREEMPTIONS + "_total", NUM_PREEMPTIONS)
-    try:
-        for family in families:
-            if family.name == CACHE_CONFIG_INFO:
-                samples.extend(s for s in family.samples if s.name == CACHE_CONFIG_INFO)
-            elif family.name in histograms:
-                histograms[family.name].extend(family.samples)
-            elif family.name == KV_CACHE_USAGE:
-                usage.extend(s.value for s in family.samples)
-            elif family.name == NUM_PREEMPTIONS:
-                preemptions.extend(s.value for s in family.samples if s.name in counter)
-            elif family.name == REQUESTS_WAITING:
-                waiting.extend(s.value for s in family.samples if s.name == REQUESTS_WAITING)
-            elif family.name in latencies:
-                latencies[family.name].extend(family.samples)
-    except ValueError as exc:
-        raise DiscoveryError(f"the /metrics text does not parse: {exc}") from None
-    cache = _cache(samples)
-    used = None
-    if usage:  # engines of one server have equal caches: their mean share of the whole
-        used = round(min(max(sum(usage) / len(usage), 0.0), 1.0) * cache.usable_blocks)
-    intervals = _intervals(latencies[INTER_TOKEN_LATENCY], INTER_TOKEN_LATENCY)
-    if intervals is None:
-        intervals = _intervals(latencies[TIME_PER_OUTPUT_TOKEN], TIME_PER_OUTPUT_TOKEN)
-    return EndpointReading(
-        cache,
-        histogram(histograms[GENERATION_TOKENS], GENERATION_TOKENS),
-        histogram(histograms[PARAMS_MAX_TOKENS], PARAMS_MAX_TOKENS),
-        used,
-        round(sum(preemptions)) if preemptions else None,
-        round(sum(waiting)) if waiting else None,
-        intervals,
-    )
-
-
-def histogram(samples: Iterable[Sample], name: str) -> Histogram | None:
-    """The samples of histogram `name` summed over their other labels (engines, models);
-    None when there are none."""
-    buckets: dict[float, float] = {}
-    count = total = 0.0
-    seen = False
-    for sample in samples:
-        if sample.name == name + "_bucket":
-            bound = float(sample.labels.get("le", "nan"))
-            if not math.isnan(bound):
-                buckets[bound] = buckets.get(bound, 0.0) + sample.value
-            seen = True
-        elif sample.name == name + "_count":
-            count += sample.value
-        elif sample.name == name + "_sum":
-            total += sample.value
-    if not seen:
-        return None
-    bounds = tuple(sorted(b for b in buckets if not math.isinf(b)))
-    return Histogram(bounds, tuple(buckets[b] for b in bounds), count, total)
-
-
-def _intervals(samples: Iterable[Sample], name: str) -> TokenIntervals | None:
-    """The _count and _sum of histogram `name`, summed over engines and models; None when it
-    has no _count."""
-    count = seconds = 0.0
-    seen = False
-    for sample in samples:
-        if sample.name == name + "_count":
-            count, seen = count + sample.value, True
-        elif sample.name == name + "_sum":
-            seconds += sample.value
-    return TokenIntervals(count, seconds) if seen else None
-
-
-def _cache(samples: list[Sample]) -> EndpointCache:
-    if not samples:
-        raise DiscoveryError(f"no {CACHE_CONFIG_INFO} in /metrics (is this a vLLM server?)")
-    usable = 0
-    block_sizes: set[int] = set()
-    for sample in samples:
-        blocks = _label_int(sample.labels, "num_gpu_blocks")
-        if blocks < 2:
-            raise DiscoveryError(f"{CACHE_CONFIG_INFO}: num_gpu_blocks={blocks} leaves no block")
-        usable += blocks - 1
-        block_sizes.add(_label_int(sample.labels, "block_size"))
-    if len(block_sizes) != 1:
-        raise DiscoveryError(f"{CACHE_CONFIG_INFO}: engines disagree on block_size {block_sizes}")
-    return EndpointCache(usable, block_sizes.pop())
-
-
-def _label_int(labels: Mapping[str, str], name: str) -> int:
-    value = labels.get(name)
-    if value is None:
-        raise DiscoveryError(f"{CACHE_CONFIG_INFO} has no {name} label")
-    try:
-        number = int(value)
-    except ValueError:
-        raise DiscoveryError(f"{CACHE_CONFIG_INFO}: {name}={value!r} is not an integer") from None
-    if number <= 0:
-        raise DiscoveryError(f"{CACHE_CONFIG_INFO}: {name}={number} must be positive")
-    return number
 
 
 def combine(readings: Mapping[str, EndpointCache]) -> PoolCapacity:
@@ -301,71 +71,13 @@ def combine(readings: Mapping[str, EndpointCache]) -> PoolCapacity:
     return PoolCapacity(sum(r.usable_blocks for r in readings.values()), next(iter(sizes.values())))
 
 
-def metrics_url(endpoint: str) -> str:
-    """The /metrics URL of an endpoint given as its base URL (or as its /metrics URL)."""
-    base = endpoint.rstrip("/")
-    return base if base.endswith("/metrics") else base + "/metrics"
-
-
-@dataclass
-class _Endpoint:
-    reading: EndpointReading | None = None
-    read_at: float = 0.0
-    # The histograms as last read, for the next delta; kept while the endpoint fails, so that
-    # a recovered server's counts are not learnt twice.
-    generated: Histogram | None = None
-    requested: Histogram | None = None
-    preemptions: int | None = None
-    intervals: TokenIntervals | None = None
-    error: str | None = None  # the last failure, while failing
-
-
-@dataclass(frozen=True, slots=True)
-class _Learnt:
-    """What one endpoint's reading adds to the last: the deltas of its counters."""
-
-    generated: Histogram | None
-    requested: Histogram | None
-    preemptions: int | None  # None where it exports no preemption counter
-    intervals: TokenIntervals | None
-
-
-Resolver = Callable[[str, int], Awaitable[list[str]]]  # (name, port) -> addresses
-
-
-async def resolve(host: str, port: int) -> list[str]:
-    """The addresses DNS gives `host` (A and AAAA records: a headless Service's ready pods),
-    sorted; [] when it has none (no such name, or no records). Raises OSError when DNS cannot
-    answer."""
-    try:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        if exc.errno in _NO_RECORDS:
-            return []
-        raise
-    return sorted({str(info[4][0]) for info in infos})
-
-
-# getaddrinfo's answers for a name without addresses (rather than a DNS it cannot reach).
-_NO_RECORDS = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
-
-
-def service_urls(addresses: Iterable[str], port: int) -> list[str]:
-    """The base URLs of a Service's pods at `addresses` (IPv6 in brackets)."""
-    urls = []
-    for address in addresses:
-        host = f"[{address}]" if ipaddress.ip_address(address).version == 6 else address
-        urls.append(f"http://{host}:{port}")
-    return urls
-
-
 @dataclass
 class _Pool:
     refresh_seconds: float
     urls: frozenset[str] = frozenset()  # the endpoints the policy names now (or DNS gave)
     service: str | None = None  # the Service they come from, when they do
     next_due: float = 0.0
-    endpoints: dict[str, _Endpoint] = field(default_factory=dict)
+    endpoints: dict[str, Endpoint] = field(default_factory=dict)
     capacity: PoolCapacity | None = None
     published: bool = False
     error: str | None = None  # why the capacity is unknown, while it is
@@ -540,21 +252,21 @@ class Discovery:
         # An endpoint that fails in a way no one foresaw is one more error, never a round that
         # stops short of publishing (which would keep the other endpoints' readings forever).
         results = await asyncio.gather(
-            *(_fetch(session, url, timeout, credential) for url in urls), return_exceptions=True
+            *(fetch(session, url, timeout, credential) for url in urls), return_exceptions=True
         )
         if not self._still_discovers(name, state, urls):
             log.info("pool %s: a capacity reading from before a reload is dropped", name)
             return
         now = self._clock()
-        learnt: list[_Learnt] = []
+        learnt: list[Learnt] = []
         for url, outcome in zip(urls, results, strict=True):
-            result = _why(outcome) if isinstance(outcome, BaseException) else outcome
-            endpoint = state.endpoints.setdefault(url, _Endpoint())
+            result = why(outcome) if isinstance(outcome, BaseException) else outcome
+            endpoint = state.endpoints.setdefault(url, Endpoint())
             if isinstance(result, EndpointReading):
                 if endpoint.error is not None:
                     log.info("pool %s: capacity discovery from %s recovered", name, redact(url))
                 endpoint.reading, endpoint.read_at, endpoint.error = result, now, None
-                learnt.append(_learn(endpoint, result))
+                learnt.append(learn(endpoint, result))
             else:
                 if endpoint.error is None:
                     kept = (
@@ -576,18 +288,18 @@ class Discovery:
         if learnt:
             self._follow(name, state, learnt, now)
 
-    def _feed(self, name: str, now: float, learnt: list[_Learnt]) -> None:
+    def _feed(self, name: str, now: float, learnt: list[Learnt]) -> None:
         """Add the deltas this round read from the pool's endpoints, summed, to the outputs."""
         if self._outputs is None:
             return
-        generated = _total(x.generated for x in learnt)
+        generated = total(x.generated for x in learnt)
         if generated is not None:
             pool = self._policy().pools.get(name)
             window_s = pool.config.reservation.window_seconds if pool is not None else None
-            requested = _total(x.requested for x in learnt)
+            requested = total(x.requested for x in learnt)
             self._outputs.add(name, Observed(now, generated, requested), window_s)
 
-    def _follow(self, name: str, state: _Pool, learnt: list[_Learnt], now: float) -> None:
+    def _follow(self, name: str, state: _Pool, learnt: list[Learnt], now: float) -> None:
         """The engine's signals of a round that read at least one endpoint: the preemptions
         since the last round and a KV cache as good as full go to the loop, the intervals
         between tokens give the rate."""
@@ -715,111 +427,8 @@ class Discovery:
                     await asyncio.wait_for(stop.wait(), max(wait, 0.01))
 
 
-@dataclass(frozen=True, slots=True)
-class Credential:
-    """What /metrics is asked with: the headers, a note for an answer that refuses them, or
-    why the key cannot be used (then no endpoint is asked). Its repr shows no key."""
-
-    headers: Mapping[str, str] = field(default_factory=dict, repr=False)
-    note: str = ""
-    error: str | None = None
-
-
-def read_credential(api_key_file: str | None) -> Credential:
-    """The Bearer key held in `api_key_file` (surrounding whitespace dropped): none without a
-    file named or while it is absent; an error when it cannot be read, is empty, or holds more
-    than one line. Messages name the file, never its content."""
-    if api_key_file is None:
-        return Credential()
-    where = f"capacity.api_key_file {api_key_file}"
-    try:
-        key = Path(api_key_file).read_text(encoding="utf-8").strip()
-    except FileNotFoundError:
-        return Credential(note=f"no key sent: {where} does not exist")
-    except OSError as exc:
-        return Credential(error=f"{where} cannot be read: {exc.strerror or type(exc).__name__}")
-    except UnicodeDecodeError:
-        return Credential(error=f"{where} is not UTF-8 text")
-    if not key:
-        return Credential(error=f"{where} is empty")
-    if any(c in key for c in "\r\n"):
-        return Credential(error=f"{where} holds more than one line")
-    return Credential(headers={"Authorization": f"Bearer {key}"})
-
-
-async def _fetch(
-    session: aiohttp.ClientSession, url: str, timeout: float, credential: Credential
-) -> EndpointReading | str:
-    """The endpoint's reading, or why there is none."""
-    if credential.error is not None:
-        return credential.error
-    try:
-        async with session.get(
-            metrics_url(url),
-            headers=credential.headers,
-            allow_redirects=not credential.headers,
-            timeout=aiohttp.ClientTimeout(total=timeout),
-        ) as response:
-            if response.status != 200:
-                refused = response.status in (401, 403) and credential.note
-                return f"/metrics answered HTTP {response.status}" + (
-                    f" ({credential.note})" if refused else ""
-                )
-            body = await response.read()
-    except aiohttp.InvalidURL:
-        return "not a URL the HTTP client can use"  # its message is the URL, credentials and all
-    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-        return _why(exc)
-    try:
-        return parse_metrics(body.decode())  # Prometheus's text format is UTF-8
-    except UnicodeDecodeError:
-        return "/metrics answered a body that is not UTF-8"
-    except DiscoveryError as exc:
-        return str(exc)
-
-
-def _learn(endpoint: _Endpoint, reading: EndpointReading) -> _Learnt:
-    """The endpoint's counters since its last reading, and remembers this reading for the next.
-    At the first, the histograms and intervals count all the server observed since it started,
-    the preemptions none (the baseline); after a restart (a counter went down), its new value.
-    """
-    generated = reading.generated.since(endpoint.generated) if reading.generated else None
-    requested = reading.requested.since(endpoint.requested) if reading.requested else None
-    intervals = reading.intervals.since(endpoint.intervals) if reading.intervals else None
-    preemptions = None
-    if reading.preemptions is not None:
-        last = endpoint.preemptions
-        if last is None:
-            preemptions = 0
-        elif reading.preemptions < last:
-            preemptions = reading.preemptions
-        else:
-            preemptions = reading.preemptions - last
-    endpoint.generated, endpoint.requested = reading.generated, reading.requested
-    endpoint.preemptions, endpoint.intervals = reading.preemptions, reading.intervals
-    return _Learnt(generated, requested, preemptions, intervals)
-
-
 def _sum_known(values: list[int | None]) -> int | None:
     """The sum, when there is at least one value and every one is known; else None."""
     if not values or None in values:
         return None
     return sum(v for v in values if v is not None)
-
-
-def _total(histograms: Iterable[Histogram | None]) -> Histogram | None:
-    """The sum of the histograms given; those whose bounds differ from the first are left out
-    (endpoints of different vLLM versions)."""
-    out: Histogram | None = None
-    for histogram in histograms:
-        if histogram is None:
-            continue
-        if out is None:
-            out = histogram
-        elif histogram.bounds == out.bounds:
-            out = out.plus(histogram)
-    return out
-
-
-def _why(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

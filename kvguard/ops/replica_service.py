@@ -15,7 +15,7 @@ import logging
 import socket
 from collections.abc import Callable
 
-from kvguard.ops.discovery import Resolver, resolve
+from kvguard.ops.dns import Resolver, resolve
 
 log = logging.getLogger(__name__)
 

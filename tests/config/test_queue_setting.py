@@ -10,8 +10,8 @@ import pytest
 
 from kvguard.cli import main
 from kvguard.config.schema import MAX_QUEUE_WAIT_S
+from tests.cli import line_of
 from tests.conftest import kvguard_config, write_config
-from tests.test_cli import line_of
 
 
 def with_queue_wait(tmp_path: Path, seconds: float) -> Path:

@@ -28,7 +28,7 @@ from kvguard.testing.upstream import RecordedRequest, RecordingUpstream
 from kvguard.testing.wait import wait_until
 from kvguard.v1 import admin_pb2, admin_pb2_grpc
 from tests.conftest import kvguard_config, write_config
-from tests.ops.test_discovery import FakeVllm
+from tests.ops.fakes import FakeVllm
 from tests.processes import kvguard_serve
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]

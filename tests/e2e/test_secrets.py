@@ -19,9 +19,9 @@ from kvguard.testing import free_port
 from kvguard.testing.redis import RedisServer
 from kvguard.testing.upstream import RecordingUpstream
 from kvguard.testing.wait import wait_until
+from tests.cli import TRACE, run
 from tests.conftest import kvguard_config, write_config
 from tests.processes import kvguard_behind_envoy
-from tests.test_cli import TRACE, run
 
 pytestmark = [pytest.mark.integration, pytest.mark.redis]
 

@@ -16,9 +16,9 @@ from kvguard.ledger.resilient import ResilientLedger
 from kvguard.ops import replica_service
 from kvguard.testing.redis import RedisServer
 from kvguard.testing.wait import wait_until
+from tests.clock import Clock
 from tests.ledger.conftest import DEADLINE_S, claim
 from tests.ledger.proxies import through_proxies
-from tests.ops.test_discovery import Clock
 
 
 def test_nothing_known_is_no_count() -> None:

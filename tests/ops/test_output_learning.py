@@ -16,16 +16,12 @@ from kvguard.admission.capacity import Capacities
 from kvguard.admission.outputs import Histogram, Observed, OutputLengths
 from kvguard.admission.policy import build
 from kvguard.admission.record import Completion
-from kvguard.ops.discovery import (
-    GENERATION_TOKENS,
-    PARAMS_MAX_TOKENS,
-    Discovery,
-    parse_metrics,
-)
+from kvguard.ops.discovery import Discovery
 from kvguard.ops.metrics import Metrics
 from kvguard.ops.telemetry import Telemetry
-from tests.ops.test_discovery import REAL_METRICS, discovered_config, fake_vllms
-from tests.ops.test_telemetry import points
+from kvguard.ops.vllm_metrics import GENERATION_TOKENS, PARAMS_MAX_TOKENS, parse_metrics
+from tests.ops.fakes import REAL_METRICS, discovered_config, fake_vllms
+from tests.ops.readings import points
 
 VLLM_BOUNDS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0)
 

@@ -21,7 +21,7 @@ from kvguard.testing.redis import RedisServer
 from kvguard.testing.wait import wait_until
 from tests.conftest import kvguard_config, write_config
 from tests.extproc.harness import body, exchange, headers, refusal
-from tests.ops.test_discovery import Dns
+from tests.ops.fakes import Dns
 
 pytestmark = [pytest.mark.integration, pytest.mark.redis]
 

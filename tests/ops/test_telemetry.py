@@ -23,24 +23,12 @@ from kvguard.ops.telemetry import Providers
 from kvguard.testing.wait import wait_until
 from tests.conftest import kvguard_config, write_config
 from tests.extproc.harness import body, exchange, headers, reserved, running
-from tests.ops.test_discovery import FakeVllm
+from tests.ops.fakes import FakeVllm
+from tests.ops.readings import points
 
 CHAT = {"model": "qwen", "messages": [{"role": "user", "content": "A secret prompt text"}]}
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_SPAN = "00f067aa0ba902b7"
-
-
-def points(reader: InMemoryMetricReader, name: str) -> list[Any]:
-    data = reader.get_metrics_data()
-    assert data is not None
-    return [
-        point
-        for resource in data.resource_metrics
-        for scope in resource.scope_metrics
-        for metric in scope.metrics
-        if metric.name == name
-        for point in metric.data.data_points
-    ]
 
 
 def admissions(reader: InMemoryMetricReader) -> dict[tuple[str, ...], int]:

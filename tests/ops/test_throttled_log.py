@@ -7,16 +7,9 @@ import logging
 import pytest
 
 from kvguard.ops.throttled_log import EVERY_S, ThrottledWarnings
+from tests.clock import Clock
 
 log = logging.getLogger("kvguard.test")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def refused(place: int) -> BaseException:
@@ -33,7 +26,7 @@ def test_one_warning_a_place_per_interval_then_how_many_came_between(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.WARNING, logger="kvguard.test")
-    clock = Clock()
+    clock = Clock(100.0)
     warnings = ThrottledWarnings(log, clock)
     for request in range(5):
         warnings.warning(refused(1), "refused request %s", request)

@@ -12,6 +12,7 @@ from kvguard.config.loading import parse as parse_config
 from kvguard.ledger import Outcome, Reservation
 from kvguard.sim.gate import PolicyGate
 from kvguard.sim.trace import TraceRequest
+from tests.clock import Clock
 
 CONFIG = """
 tenancy:
@@ -32,21 +33,13 @@ pools:
 WHOLE = TraceRequest(0.0, "a", 600, 1000, 1000)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def gate(wait_s: float, clock: Clock) -> PolicyGate:
     config = parse_config(CONFIG % wait_s, "sim.yaml", environ={})
     return PolicyGate(config, PoolCapacity(100, 16), clock)
 
 
 async def test_a_refused_request_waits_in_the_queue_and_is_admitted_as_blocks_free() -> None:
-    clock = Clock()
+    clock = Clock(0.0)
     sim = gate(2.0, clock)
     first = await sim.admit(WHOLE, "first")
     assert first.lease is not None
@@ -62,7 +55,7 @@ async def test_a_refused_request_waits_in_the_queue_and_is_admitted_as_blocks_fr
 
 
 async def test_past_its_wait_it_is_told_when_the_leases_end_and_promised() -> None:
-    clock = Clock()
+    clock = Clock(0.0)
     sim = gate(2.0, clock)
     assert (await sim.admit(WHOLE, "first")).lease is not None
     request = TraceRequest(0.0, "b", 600, 1000, 1000)
@@ -77,7 +70,7 @@ async def test_past_its_wait_it_is_told_when_the_leases_end_and_promised() -> No
 
 
 async def test_without_a_queue_a_refusal_is_answered_at_once() -> None:
-    clock = Clock()
+    clock = Clock(0.0)
     sim = gate(0.0, clock)
     assert (await sim.admit(WHOLE, "first")).lease is not None
     refused = await sim.admit(TraceRequest(0.0, "b", 600, 1000, 1000), "second")
@@ -87,7 +80,7 @@ async def test_without_a_queue_a_refusal_is_answered_at_once() -> None:
 async def test_blocks_held_for_others_while_a_fitting_request_is_refused_are_counted() -> None:
     """The figure's bookkeeping, with a ledger that (unlike kvguard's) refuses a request that
     fits beside the leases while it holds 30 blocks for another tenant's retries."""
-    clock = Clock()
+    clock = Clock(0.0)
     sim = gate(0.0, clock)
 
     async def refusing(_claim: object) -> Reservation:

@@ -10,8 +10,8 @@ from typing import Any
 import aiohttp
 import pytest_asyncio
 
-from kvguard.ops import discovery
-from kvguard.ops.discovery import TokenIntervals, parse_cache_config
+from kvguard.ops import vllm_metrics
+from kvguard.ops.vllm_metrics import TokenIntervals, parse_cache_config
 from kvguard.sim.engine import EngineConfig, StepCost
 from kvguard.sim.server import SimServer
 from kvguard.testing.vllm import parse_metrics
@@ -116,7 +116,7 @@ async def test_metrics_use_vllm_names_and_count_preemptions(sim: SimServer) -> N
     assert values["vllm:inter_token_latency_seconds_count"] == 600 - 4
     assert values["vllm:inter_token_latency_seconds_sum"] == sim.engine.token_gap_seconds_total
     intervals = TokenIntervals(596, sim.engine.token_gap_seconds_total)
-    assert discovery.parse_metrics(text).intervals == intervals  # what kvguard reads
+    assert vllm_metrics.parse_metrics(text).intervals == intervals  # what kvguard reads
     assert 'kvguard_sim_preemptions_total{tenant="b"}' in text
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvguard.ops.discovery import TokenIntervals, parse_metrics
+from kvguard.ops.vllm_metrics import TokenIntervals, parse_metrics
 from kvguard.sim.engine import TOKEN_GAP_BOUNDS, Engine, EngineConfig, Sequence, StepCost
 from kvguard.sim.metrics import render
 
