@@ -1,6 +1,7 @@
 """The shared ledger: Redis (or Redis Cluster), one Lua script call per operation.
 
-Every operation is one EVALSHA of a script in kvguard/ledger/lua/ (one round trip; EVAL, which
+Every operation is one EVALSHA of a script in kvguard/ledger/lua/ (scripts.py loads them and
+names their keys; one round trip; EVAL, which
 also caches the script, only after a NOSCRIPT answer, e.g. from a Redis that restarted). All keys
 of a pool carry the hash tag `{pool}`, so each script touches one Redis Cluster slot. Expiry uses
 Redis `TIME` inside the scripts: one clock for every replica.
@@ -19,11 +20,8 @@ so that a release by any replica wakes this one's waiters.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import importlib.resources
 import logging
 import math
-import re
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -47,6 +45,7 @@ from kvguard.ledger import (
     Terms,
 )
 from kvguard.ledger.freed import FreedSubscription
+from kvguard.ledger.scripts import REPLICAS_KEY, SCRIPT_NAMES, all_keys, load_script, pool_keys
 
 log = logging.getLogger(__name__)
 
@@ -82,71 +81,7 @@ UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
 
 _OUTCOMES = {0: Outcome.ADMITTED, 1: Outcome.TENANT_QUOTA, 2: Outcome.POOL_WATERMARK}
 _NONE = -1  # reserve.lua's times for "never" / "no retry" / "nothing due"
-_INCLUDE = re.compile(r"^--#include (\S+)$", re.MULTILINE)
-
 T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class Script:
-    name: str
-    source: str  # with lib.lua included
-    sha: str  # SHA1 of `source`, as EVALSHA names it
-
-
-def load_script(name: str) -> Script:
-    """Read kvguard/ledger/lua/NAME.lua (package data) and expand its `--#include` lines."""
-    folder = importlib.resources.files("kvguard.ledger").joinpath("lua")
-
-    def include(match: re.Match[str]) -> str:
-        return folder.joinpath(match.group(1)).read_text(encoding="utf-8")
-
-    source = _INCLUDE.sub(include, folder.joinpath(f"{name}.lua").read_text(encoding="utf-8"))
-    return Script(name, source, hashlib.sha1(source.encode()).hexdigest())
-
-
-SCRIPT_NAMES = ("reserve", "release", "renew", "reassert", "usage", "leases", "replicas")
-# Every kvguard process sharing this Redis registers here (replicas.lua), whatever its pools.
-REPLICAS_KEY = "kvguard:replicas"
-
-
-def pool_keys(pool: str) -> list[str]:
-    """KEYS[1..5] of the scripts for `pool`: leases, expiries, tenants, reserved, epoch
-    (lib.lua)."""
-    tag = f"kvguard:{{{pool}}}"
-    return [f"{tag}:leases", f"{tag}:expiries", f"{tag}:tenants", f"{tag}:reserved", f"{tag}:epoch"]
-
-
-def promise_keys(pool: str) -> list[str]:
-    """KEYS[6..15], after `pool_keys`: promises, promise lines, promise sequence, promise
-    expiries, promised, promised tenants, holding, holding tenants, unreturned, promise budgets
-    (lib.lua)."""
-    tag = f"kvguard:{{{pool}}}"
-    names = (
-        "promises",
-        "promise-lines",
-        "promise-seq",
-        "promise-expiries",
-        "promised",
-        "promised-tenants",
-        "holding",
-        "holding-tenants",
-        "unreturned",
-        "promise-budgets",
-    )
-    return [f"{tag}:{name}" for name in names]
-
-
-def end_keys(pool: str) -> list[str]:
-    """KEYS[16..17], after `promise_keys`: the leases' expected ends, the pool's and each
-    tenant's (lib.lua)."""
-    tag = f"kvguard:{{{pool}}}"
-    return [f"{tag}:ends", f"{tag}:tenant-ends"]
-
-
-def all_keys(pool: str) -> list[str]:
-    """The KEYS of every script for `pool` (lib.lua)."""
-    return [*pool_keys(pool), *promise_keys(pool), *end_keys(pool)]
 
 
 def _ms(seconds: float) -> int:

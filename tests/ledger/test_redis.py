@@ -14,7 +14,8 @@ import pytest
 
 from kvguard.ledger import Lease, Ledger, LedgerUnavailable, Outcome
 from kvguard.ledger import redis_ledger as redis_ledger_module
-from kvguard.ledger.redis_ledger import RedisLedger, load_script, pool_keys
+from kvguard.ledger.redis_ledger import RedisLedger
+from kvguard.ledger.scripts import load_script, pool_keys
 from kvguard.testing.redis import RedisCluster, RedisServer
 from kvguard.testing.wait import wait_until
 from tests.ledger.conftest import claim, until_usage

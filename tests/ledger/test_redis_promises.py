@@ -13,7 +13,8 @@ import pytest
 import redis.exceptions as rexc
 
 from kvguard.ledger import MAX_PROMISE_BUDGET, PROMISE_BUDGET, Claim, Lease, Outcome, Terms
-from kvguard.ledger.redis_ledger import RedisLedger, all_keys, connect, load_script
+from kvguard.ledger.redis_ledger import RedisLedger, connect
+from kvguard.ledger.scripts import all_keys, load_script
 from kvguard.testing.redis import RedisCluster
 from tests.ledger.conftest import MARGIN_S, PATIENT_S, RedisClock, claim
 from tests.ledger.test_promises import TERMS, Y_ENDS_S, about, ending, fill, promised

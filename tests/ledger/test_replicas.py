@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from kvguard.ledger import LedgerUnavailable, Outcome
-from kvguard.ledger.redis_ledger import REPLICAS_KEY, RedisLedger
+from kvguard.ledger.redis_ledger import RedisLedger
 from kvguard.ledger.replicas import REGISTRATION_TTL_S, ReplicaCount
 from kvguard.ledger.resilient import ResilientLedger
+from kvguard.ledger.scripts import REPLICAS_KEY
 from kvguard.ops import replica_service
 from kvguard.testing.redis import RedisServer
 from kvguard.testing.wait import wait_until
