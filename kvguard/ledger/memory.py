@@ -106,12 +106,15 @@ class _Pool:
         if not self.tenant_ends[held.lease.tenant]:
             del self.tenant_ends[held.lease.tenant]
 
-    def freed_by(self, ends: list[tuple[float, str]], over: int, now: float) -> float:
-        """Seconds until the leases of `ends`, ending in that order, have freed `over`
-        blocks: 0 when nothing is over, inf when they cannot. A lease past its expected end
-        is taken to end now."""
+    def freed_by(self, ends: list[tuple[float, str]], held: int, over: int, now: float) -> float:
+        """Seconds until the leases of `ends` (`held` blocks in all), ending in that order,
+        have freed `over` blocks: 0 when nothing is over, inf when they cannot (told without
+        walking them when `over` is more than they hold). A lease past its expected end is
+        taken to end now."""
         if over <= 0:
             return 0.0
+        if over > held:
+            return math.inf
         freed = 0
         for end, lease_id in ends:
             freed += self.leases[lease_id].lease.blocks
@@ -329,8 +332,8 @@ class MemoryLedger:
         over_limit = pool.reserved + promised + claim.blocks - claim.pool_limit
         tenant_ends = pool.tenant_ends.get(claim.tenant, [])
         wait_s = max(
-            pool.freed_by(tenant_ends, over_quota, now),
-            pool.freed_by(pool.ends, over_limit, now),
+            pool.freed_by(tenant_ends, tenant_now, over_quota, now),
+            pool.freed_by(pool.ends, pool.reserved, over_limit, now),
         )
         if own is not None:  # back before its time: it keeps it
             return wait_s, own.retry_at - now, True

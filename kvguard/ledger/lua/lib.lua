@@ -350,10 +350,14 @@ local function freed_among(ids, ends, over, freed, now)
 end
 
 -- Ms from `now` until the pool's leases, ending in the order expected, have freed `over`
--- blocks: 0 when nothing is over, -1 when they cannot.
+-- blocks: 0 when nothing is over, -1 when they cannot (without walking them when `over` is
+-- more than they hold).
 local function pool_freed_by(over, now)
   if over <= 0 then
     return 0
+  end
+  if over > pool_reserved() then
+    return -1
   end
   local freed, offset = 0, 0
   repeat
@@ -377,6 +381,9 @@ end
 local function tenant_freed_by(tenant, over, now)
   if over <= 0 then
     return 0
+  end
+  if over > tenant_reserved(tenant) then
+    return -1
   end
   local line = line_of(tenant)
   local skip = #line + 15 + 2
