@@ -24,7 +24,6 @@ from kvguard.config.schema import Config
 from kvguard.extproc.server import GrpcServer
 from kvguard.extproc.service import ExternalProcessor
 from kvguard.ledger.replicas import ReplicaCount
-from kvguard.ledger.resilient import ResilientLedger
 from kvguard.ledger.url import from_url
 from kvguard.ops import replica_service, telemetry
 from kvguard.ops.discovery import Discovery
@@ -123,10 +122,9 @@ class Service:
             on_reachability=lambda reachable: self.health.set("ledger", reachable),
             open_leases=lambda: self.keeper.snapshot(),
             on_error=self.metrics.record_ledger_error,
-        )
-        if isinstance(self.ledger, ResilientLedger):
             # Releases by the other replicas, through Redis (this process's come from the keeper).
-            self.ledger.on_freed = self.queue.notify
+            on_freed=self.queue.notify,
+        )
         self.counter = PromptCounter()
         self.keeper = LeaseKeeper(
             self.ledger,
@@ -182,7 +180,7 @@ class Service:
             if pool.static_capacity is not None:
                 self.capacities.set(pool.name, pool.static_capacity)
         self.queue.notify()  # a quota or a limit may have grown
-        if self._started and isinstance(self.ledger, ResilientLedger):
+        if self._started:
             self.ledger.subscribe(policy.pools)  # its pools may differ
 
     def _load(self, path: Path) -> policies.Policy:
@@ -196,9 +194,8 @@ class Service:
         return policies.build(config, self._tokenizers)
 
     async def start(self) -> None:
-        if isinstance(self.ledger, ResilientLedger):
-            await self.ledger.start()  # registers the scripts; an unreachable Redis: not ready
-            self.ledger.subscribe(self.policy.pools)
+        await self.ledger.start()  # Redis: registers the scripts; unreachable: not ready
+        self.ledger.subscribe(self.policy.pools)
         self._started = True
         await self.grpc.start()
         host = self.config.server.grpc_listen.rsplit(":", 1)[0]
@@ -217,7 +214,7 @@ class Service:
         if self._watcher is not None:
             jobs.append(self._watcher.run())
         ledger = self.config.ledger
-        if ledger.replica_service is not None and isinstance(self.ledger, ResilientLedger):
+        if ledger.replica_service is not None and self.ledger.shared:
             jobs.append(
                 replica_service.watch(
                     ledger.replica_service,
@@ -301,8 +298,7 @@ class Service:
             view.capacity_known = capacity_known
             view.ledger_available = int(self.health.snapshot()["ledger"])
             # Only a shared ledger has replicas to count (memory:// is one process).
-            shared = isinstance(self.ledger, ResilientLedger)
-            view.replicas = self.replicas.count if shared else None
+            view.replicas = self.replicas.count if self.ledger.shared else None
             view.promised, view.queued = promised, self.queue.lengths()
             view.capacity_age_s = self.discovery.ages()
             view.used = self.discovery.used_blocks()

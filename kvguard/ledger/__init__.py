@@ -1,10 +1,13 @@
 """Ledgers: where reservations of KV-cache blocks live.
 
 A backend is picked from the URL scheme (`kvguard.ledger.url.from_url`): `memory://` (one
-process, `memory.MemoryLedger`) or `redis://`/`rediss://` (shared by every replica,
-`redis_ledger.RedisLedger` wrapped in `resilient.ResilientLedger`). Every backend makes the same
-promise: `reserve` checks the pool limit and the tenant quota and records the lease in one
-atomic step, reclaiming expired leases on the way; `release` and `reassert` are idempotent.
+process, `memory.MemoryLedger`, its promises in `memory_promises`) or `redis://`/`rediss://`
+(shared by every replica, `redis_ledger.RedisLedger` wrapped in `resilient.ResilientLedger`).
+The caller wires a ledger through the `Ledger` protocol alone: its callbacks are given to
+`from_url`, and `start`, `subscribe` and `close` are no-ops where they do not apply. Every
+backend makes the same promise: `reserve` checks the pool limit and the tenant quota and
+records the lease in one atomic step, reclaiming expired leases on the way; `release` and
+`reassert` are idempotent.
 All amounts are KV-cache blocks of the pool's block size. A lease's counted blocks may grow
 after it was admitted (a running request's reservation raised as it decodes): `reassert` with
 more blocks than the ledger counts raises them, without any check, and never lowers them;
@@ -181,4 +184,25 @@ class Ledger(Protocol):
     async def leases(self, pool: str) -> list[LeaseInfo]:
         """The pool's open leases (expired ones reclaimed first), for operators."""
 
-    async def close(self) -> None: ...
+    # -- lifecycle and subscription: what the process wires, whichever the backend ------------
+
+    @property
+    def shared(self) -> bool:
+        """Whether other kvguard processes share this ledger (Redis: they count as replicas);
+        False for the memory ledger, which is this process's alone."""
+
+    async def start(self) -> None:
+        """Get ready before the first request: a shared ledger reaches its store (registering
+        its scripts) and starts watching it; nothing for the memory ledger. The Redis ledger as
+        kvguard runs it (`ResilientLedger`) reports an unreachable Redis through its
+        `on_reachability` instead of raising; a bare `RedisLedger` raises LedgerUnavailable."""
+
+    def subscribe(self, pools: Iterable[str]) -> None:
+        """From now on, call the `on_freed(pool)` given at construction whenever blocks of one
+        of `pools` are freed, by any process sharing the ledger (replacing the pools given
+        before; needs a running event loop). A no-op for the memory ledger: all its releases
+        are this process's own, which the process hears of itself."""
+
+    async def close(self) -> None:
+        """Stop what `start` and `subscribe` started and let go of the store (no-op for the
+        memory ledger)."""

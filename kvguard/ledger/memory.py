@@ -1,4 +1,9 @@
-"""The embedded ledger: one process, one lock, its own monotonic clock."""
+"""The embedded ledger: one process, one lock, its own monotonic clock.
+
+A pool's leases live here (`_Pool`: their expiries and expected ends); the slots promised to
+its refused claims in memory_promises.py. `reserve` checks, reserves and promises under the
+one lock, in the order of reserve.lua.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +17,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from kvguard.ledger import (
-    MAX_PROMISE_BUDGET,
-    PROMISE_BUDGET,
     Claim,
     Lease,
     LeaseInfo,
@@ -21,6 +24,7 @@ from kvguard.ledger import (
     PoolUsage,
     Reservation,
 )
+from kvguard.ledger.memory_promises import Promise, Promises, add_to
 
 
 @dataclass(slots=True)
@@ -30,16 +34,6 @@ class _Held:
     lease: Lease  # without ends_in_s: `end` says it
     expiry: float
     end: float  # when it is expected to end (its expiry when nothing better is known)
-
-
-@dataclass(slots=True)
-class _Promise:
-    tenant: str
-    blocks: int
-    retry_at: float  # the time the client was told to retry at
-    expiry: float  # retry_at + grace: a retry that came back may wait for its blocks until then
-    returned: bool = False  # its client came back at least once
-    holding: bool = False  # back at its time: its blocks count against its tenant's claims
 
 
 @dataclass
@@ -54,22 +48,7 @@ class _Pool:
     tenant_ends: defaultdict[str, list[tuple[float, str]]] = field(
         default_factory=lambda: defaultdict(list)
     )
-    # Promised retries by key, and each tenant's in the order they were promised; their blocks
-    # summed for the pool and per tenant, all of them and those holding.
-    promises: dict[str, _Promise] = field(default_factory=dict)
-    tenant_promises: defaultdict[str, dict[str, _Promise]] = field(
-        default_factory=lambda: defaultdict(dict)
-    )
-    promise_expiries: list[tuple[float, str]] = field(default_factory=list)  # heap, as above
-    promised: int = 0
-    promised_tenants: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
-    holding: int = 0
-    holding_tenants: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
-    # Promises each tenant may have open (PROMISE_BUDGET while it has none recorded): doubled
-    # when a promised client comes back, halved when one never does; at 0 the tenant is only
-    # told the time, until max_wait_s after that promise ended.
-    budgets: dict[str, int] = field(default_factory=dict)
-    unreturned: dict[str, float] = field(default_factory=dict)  # tenant -> when it fell to 0
+    promises: Promises = field(default_factory=Promises)  # the retries promised a slot
 
     def record(self, lease: Lease, expiry: float, end: float) -> None:
         """Hold `lease` (no checks) until `expiry`, expected to end at `end`."""
@@ -86,7 +65,7 @@ class _Pool:
         lease = held.lease
         self._unindex(held)
         self.reserved -= lease.blocks
-        _add(self.tenants, lease.tenant, -lease.blocks)
+        add_to(self.tenants, lease.tenant, -lease.blocks)
 
     def expect_end(self, held: _Held, end: float) -> None:
         if end != held.end:
@@ -122,6 +101,19 @@ class _Pool:
                 return max(0.0, end - now)
         return math.inf
 
+    def fits_in(self, claim: Claim, promised: int, now: float) -> float:
+        """Seconds until a refused `claim`, after `promised` blocks promised to its tenant
+        before it, is expected to fit: the later of when its tenant's leases free its quota and
+        the pool's free its limit (inf when they cannot)."""
+        tenant_now = self.tenants.get(claim.tenant, 0)
+        over_quota = tenant_now + promised + claim.blocks - claim.tenant_quota
+        over_limit = self.reserved + promised + claim.blocks - claim.pool_limit
+        tenant_ends = self.tenant_ends.get(claim.tenant, [])
+        return max(
+            self.freed_by(tenant_ends, tenant_now, over_quota, now),
+            self.freed_by(self.ends, self.reserved, over_limit, now),
+        )
+
     def reclaim_expired(self, now: float) -> None:
         """Reclaim expired leases and promises."""
         while self.expiries and self.expiries[0][0] <= now:
@@ -129,94 +121,21 @@ class _Pool:
             held = self.leases.get(lease_id)
             if held is not None and held.expiry == expiry:  # not renewed since
                 self.drop(lease_id)
-        while self.promise_expiries and self.promise_expiries[0][0] <= now:
-            expiry, key = heapq.heappop(self.promise_expiries)
-            promise = self.promises.get(key)
-            if promise is not None and promise.expiry == expiry:
-                if not promise.returned:
-                    budget = self.budgets.get(promise.tenant, PROMISE_BUDGET) // 2
-                    self.budgets[promise.tenant] = budget
-                    if budget == 0:
-                        self.unreturned[promise.tenant] = expiry
-                self.unpromise(key)
-
-    def came_back(self, promise: _Promise) -> None:
-        """A promised client came back (the first time): its tenant may have more open."""
-        if not promise.returned:
-            promise.returned = True
-            budget = self.budgets.get(promise.tenant, PROMISE_BUDGET)
-            self.budgets[promise.tenant] = min(2 * max(budget, 1), MAX_PROMISE_BUDGET)
-
-    def may_promise(self, tenant: str, now: float, max_wait_s: float) -> bool:
-        """Whether `tenant` may have one more promise open."""
-        budget = self.budgets.get(tenant, PROMISE_BUDGET)
-        if budget == 0:
-            if now < self.unreturned.get(tenant, now) + max_wait_s:
-                return False
-            budget = self.budgets[tenant] = 1  # one more try, max_wait_s later
-        return len(self.tenant_promises.get(tenant, ())) < budget
+        self.promises.reclaim_expired(now)
 
     def next_change(self, now: float) -> float:
         """Seconds until a lease or a promise expires by itself: when room may appear without
         a release (inf when nothing is due)."""
-        # Stale entries (leases renewed or gone, promises gone) are dropped first, so that
-        # nothing wakes for a moment that changes nothing.
+        # Stale entries (leases renewed or gone) are dropped first, so that nothing wakes for a
+        # moment that changes nothing.
         while self.expiries and (
             (held := self.leases.get(self.expiries[0][1])) is None
             or held.expiry != self.expiries[0][0]
         ):
             heapq.heappop(self.expiries)
-        while self.promise_expiries and (
-            (promise := self.promises.get(self.promise_expiries[0][1])) is None
-            or promise.expiry != self.promise_expiries[0][0]
-        ):
-            heapq.heappop(self.promise_expiries)
-        due = [heap[0][0] for heap in (self.expiries, self.promise_expiries) if heap]
+        first = self.expiries[0][0] if self.expiries else None
+        due = [at for at in (first, self.promises.next_expiry()) if at is not None]
         return max(0.0, min(due) - now) if due else math.inf
-
-    def promise(self, key: str, promise: _Promise) -> None:
-        """Record `promise` under `key`, which holds none, last in its tenant's line."""
-        self.promises[key] = self.tenant_promises[promise.tenant][key] = promise
-        _add(self.promised_tenants, promise.tenant, promise.blocks)
-        self.promised += promise.blocks
-        heapq.heappush(self.promise_expiries, (promise.expiry, key))
-
-    def hold_for(self, promise: _Promise) -> None:
-        """Its client is back at its time: its blocks count against its tenant's claims."""
-        if not promise.holding:
-            promise.holding = True
-            _add(self.holding_tenants, promise.tenant, promise.blocks)
-            self.holding += promise.blocks
-
-    def unpromise(self, key: str) -> None:
-        promise = self.promises.pop(key, None)
-        if promise is None:
-            return
-        line = self.tenant_promises[promise.tenant]
-        del line[key]
-        if not line:
-            del self.tenant_promises[promise.tenant]
-        _add(self.promised_tenants, promise.tenant, -promise.blocks)
-        self.promised -= promise.blocks
-        if promise.holding:
-            _add(self.holding_tenants, promise.tenant, -promise.blocks)
-            self.holding -= promise.blocks
-
-    def promised_before(self, key: str, tenant: str) -> tuple[int, int]:
-        """Blocks promised to `tenant` before `key`'s promise: all of them, and those held."""
-        promised = holding = 0
-        for other, promise in self.tenant_promises.get(tenant, {}).items():
-            if other == key:
-                break
-            promised += promise.blocks
-            holding += promise.blocks if promise.holding else 0
-        return promised, holding
-
-
-def _add(counts: defaultdict[str, int], key: str, amount: int) -> None:
-    counts[key] += amount
-    if counts[key] == 0:
-        del counts[key]
 
 
 class MemoryLedger:
@@ -241,7 +160,12 @@ class MemoryLedger:
             held = pool.leases.get(claim.lease_id)
             tenant_now = pool.tenants.get(claim.tenant, 0)
             if held is not None:  # a retried call: admitted once, counted once
-                return Reservation(Outcome.ADMITTED, pool.reserved, tenant_now, held.lease)
+                return Reservation(
+                    outcome=Outcome.ADMITTED,
+                    pool_reserved=pool.reserved,
+                    tenant_reserved=tenant_now,
+                    lease=held.lease,
+                )
             if claim.blocks > claim.tenant_quota or claim.blocks > claim.pool_limit:
                 # Impossible whatever else is reserved: no promise is looked at or made.
                 impossible = (
@@ -249,27 +173,15 @@ class MemoryLedger:
                     if claim.blocks > claim.tenant_quota
                     else Outcome.POOL_WATERMARK
                 )
-                never = math.inf if claim.terms is not None else 0.0
                 return Reservation(
-                    impossible,
-                    pool.reserved,
-                    tenant_now,
-                    None,
-                    never,
+                    outcome=impossible,
+                    pool_reserved=pool.reserved,
+                    tenant_reserved=tenant_now,
+                    wait_s=math.inf if claim.terms is not None else 0.0,
                     changes_in_s=pool.next_change(now),
                 )
-            key = claim.retry_key
-            own = pool.promises.get(key) if key else None
-            if own is not None and own.tenant == claim.tenant:
-                if own.retry_at <= now:  # before it, the same body may be another client's
-                    pool.came_back(own)
-                promised, holding = pool.promised_before(key, claim.tenant)
-            else:
-                if own is not None:  # another tenant's promise: its key is not this claim's
-                    key = ""
-                own = None
-                promised = pool.promised_tenants.get(claim.tenant, 0)
-                holding = pool.holding_tenants.get(claim.tenant, 0)
+            promises = pool.promises
+            key, own, promised, holding = promises.standing(claim.retry_key, claim.tenant, now)
             # Only this tenant's retries that came back count, in its quota and the pool alike.
             if tenant_now + holding + claim.blocks > claim.tenant_quota:
                 outcome = Outcome.TENANT_QUOTA
@@ -284,7 +196,7 @@ class MemoryLedger:
                     # Back at its time, its blocks not free yet: they are held for it (against
                     # its tenant's later claims) until its grace ends, which the caller may
                     # wait for.
-                    pool.hold_for(own)
+                    promises.hold_for(own)
                     wait_s, retry_after_s, promised_to = 0.0, 0.0, True
                     waiting_s = own.expiry - now
                 else:
@@ -292,34 +204,33 @@ class MemoryLedger:
                         pool, claim, key, own, promised, now
                     )
                 return Reservation(
-                    outcome,
-                    pool.reserved,
-                    tenant_now,
-                    None,
-                    wait_s,
-                    retry_after_s,
-                    promised_to,
-                    pool.next_change(now),
-                    waiting_s,
-                    holding,
+                    outcome=outcome,
+                    pool_reserved=pool.reserved,
+                    tenant_reserved=tenant_now,
+                    wait_s=wait_s,
+                    retry_after_s=retry_after_s,
+                    promised=promised_to,
+                    changes_in_s=pool.next_change(now),
+                    waiting_s=waiting_s,
+                    holding=holding,
                 )
             if own is not None:
-                pool.unpromise(key)
+                promises.unpromise(key)
             expiry = now + claim.lease_seconds
             end = expiry if claim.ends_in_s is None else now + claim.ends_in_s
             lease = claim.lease()
             pool.record(lease, expiry, end)
             return Reservation(
-                Outcome.ADMITTED,
-                pool.reserved,
-                tenant_now + claim.blocks,
-                lease,
+                outcome=Outcome.ADMITTED,
+                pool_reserved=pool.reserved,
+                tenant_reserved=tenant_now + claim.blocks,
+                lease=lease,
                 holding=holding,
             )
 
     @staticmethod
     def _promise(
-        pool: _Pool, claim: Claim, key: str, own: _Promise | None, promised: int, now: float
+        pool: _Pool, claim: Claim, key: str, own: Promise | None, promised: int, now: float
     ) -> tuple[float, float | None, bool]:
         """For a refused claim, `promised` blocks promised to its tenant before it: the
         seconds until it is expected to fit, the seconds until its retry (None: do not), and
@@ -327,26 +238,11 @@ class MemoryLedger:
         terms = claim.terms
         if terms is None:
             return 0.0, None, False
-        tenant_now = pool.tenants.get(claim.tenant, 0)
-        over_quota = tenant_now + promised + claim.blocks - claim.tenant_quota
-        over_limit = pool.reserved + promised + claim.blocks - claim.pool_limit
-        tenant_ends = pool.tenant_ends.get(claim.tenant, [])
-        wait_s = max(
-            pool.freed_by(tenant_ends, tenant_now, over_quota, now),
-            pool.freed_by(pool.ends, pool.reserved, over_limit, now),
+        wait_s = pool.fits_in(claim, promised, now)
+        retry_after_s, promised_to = pool.promises.offer(
+            claim.tenant, claim.blocks, key, own, wait_s, terms, now
         )
-        if own is not None:  # back before its time: it keeps it
-            return wait_s, own.retry_at - now, True
-        if wait_s > terms.max_wait_s:
-            return wait_s, None, False
-        retry_at = now + wait_s + terms.jitter_s
-        if not key or not pool.may_promise(claim.tenant, now, terms.max_wait_s):
-            # No key to know the retry by, or as many promises open as this tenant's clients
-            # have earned by coming back: tell the time, hold nothing.
-            return wait_s, retry_at - now, False
-        promise = _Promise(claim.tenant, claim.blocks, retry_at, retry_at + terms.grace_s)
-        pool.promise(key, promise)
-        return wait_s, retry_at - now, True
+        return wait_s, retry_after_s, promised_to
 
     async def release(self, lease: Lease) -> None:
         with self._lock:
@@ -404,13 +300,14 @@ class MemoryLedger:
         with self._lock:
             state = self._pool(pool)
             state.reclaim_expired(self._clock())
+            promises = state.promises
             return PoolUsage(
-                state.reserved,
-                len(state.leases),
-                dict(state.tenants),
-                state.promised,
-                len(state.promises),
-                state.holding,
+                reserved=state.reserved,
+                leases=len(state.leases),
+                tenants=dict(state.tenants),
+                promised=promises.promised,
+                promises=len(promises.by_key),
+                holding=promises.holding,
             )
 
     async def leases(self, pool: str) -> list[LeaseInfo]:
@@ -419,6 +316,18 @@ class MemoryLedger:
             now = self._clock()
             state.reclaim_expired(now)
             return [LeaseInfo(held.lease, held.expiry - now) for held in state.leases.values()]
+
+    # -- lifecycle: one process, nothing to reach, watch or hear ------------------------------
+
+    @property
+    def shared(self) -> bool:
+        return False
+
+    async def start(self) -> None:
+        return None
+
+    def subscribe(self, pools: Iterable[str]) -> None:
+        """Nothing to hear: every release is this process's own (the keeper reports them)."""
 
     async def close(self) -> None:
         return None

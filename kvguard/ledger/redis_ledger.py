@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -39,13 +38,19 @@ from kvguard.ledger import (
     Lease,
     LeaseInfo,
     LedgerUnavailable,
-    Outcome,
     PoolUsage,
     Reservation,
     Terms,
 )
 from kvguard.ledger.freed import FreedSubscription
-from kvguard.ledger.scripts import REPLICAS_KEY, SCRIPT_NAMES, all_keys, load_script, pool_keys
+from kvguard.ledger.scripts import (
+    REPLICAS_KEY,
+    SCRIPT_NAMES,
+    ReserveAnswer,
+    all_keys,
+    load_script,
+    pool_keys,
+)
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +84,6 @@ UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
     TimeoutError,
 )
 
-_OUTCOMES = {0: Outcome.ADMITTED, 1: Outcome.TENANT_QUOTA, 2: Outcome.POOL_WATERMARK}
-_NONE = -1  # reserve.lua's times for "never" / "no retry" / "nothing due"
 T = TypeVar("T")
 
 
@@ -108,11 +111,6 @@ def _terms_args(terms: Terms | None) -> tuple[Any, ...]:
         round(terms.jitter_s * 1000),
         round(terms.grace_s * 1000),
     )
-
-
-def _seconds(ms: Any, none: T) -> float | T:
-    """A script's ms as seconds, or `none` for -1."""
-    return none if int(ms) == _NONE else int(ms) / 1000
 
 
 def _text(value: Any) -> str:
@@ -150,6 +148,7 @@ class _QueuedReleases:
 class RedisLedger:
     """A Ledger on Redis or Redis Cluster, shared by every kvguard process of a deployment.
 
+    Its callbacks are given at construction (ResilientLedger gives its own) and never change.
     `on_reset(pool)` is called when a pool's epoch changes under this process (Redis restarted
     empty, or was flushed): the process must then re-assert its open leases of that pool.
     `on_release_lost(lease, exc)` is called when the release of a cancelled reserve (which
@@ -182,8 +181,8 @@ class RedisLedger:
         self._discovery = asyncio.Lock()
         self._scripts = {name: load_script(name) for name in SCRIPT_NAMES}
         self._epochs: dict[str, str] = {}
-        self.on_reset = on_reset
-        self.on_release_lost = on_release_lost
+        self._on_reset = on_reset
+        self._on_release_lost = on_release_lost
         self._subscription = FreedSubscription(
             client,
             discover=self._discover,
@@ -243,8 +242,8 @@ class RedisLedger:
             return
         before = self._epochs.get(pool)
         self._epochs[pool] = value
-        if before is not None and before != value and self.on_reset is not None:
-            self.on_reset(pool)
+        if before is not None and before != value and self._on_reset is not None:
+            self._on_reset(pool)
 
     async def reserve(self, claim: Claim) -> Reservation:
         try:
@@ -269,35 +268,9 @@ class RedisLedger:
             sent = self._queue_release(claim.pool, claim.lease_id)
             sent.add_done_callback(partial(self._unawaited_release_sent, claim.lease()))
             raise
-        (
-            outcome,
-            pool_reserved,
-            tenant_reserved,
-            epoch,
-            wait_ms,
-            retry_ms,
-            held,
-            changes_ms,
-            waiting_ms,
-            holding,
-        ) = answer
-        self._saw_epoch(claim.pool, epoch)
-        result = _OUTCOMES[int(outcome)]
-        lease = claim.lease() if result is Outcome.ADMITTED else None
-        wait_s = _seconds(wait_ms, math.inf)
-        retry_after_s = _seconds(retry_ms, None)
-        return Reservation(
-            result,
-            int(pool_reserved),
-            int(tenant_reserved),
-            lease,
-            wait_s,
-            retry_after_s,
-            bool(int(held)),
-            _seconds(changes_ms, math.inf),
-            int(waiting_ms) / 1000,
-            int(holding),
-        )
+        reserved = ReserveAnswer.from_script(answer)
+        self._saw_epoch(claim.pool, reserved.epoch)
+        return reserved.reservation(claim)
 
     async def release(self, lease: Lease) -> None:
         """Returns once a release call carrying this lease has returned; raises
@@ -320,8 +293,8 @@ class RedisLedger:
 
     def _unawaited_release_sent(self, lease: Lease, sent: asyncio.Future[None]) -> None:
         exc = None if sent.cancelled() else sent.exception()
-        if isinstance(exc, LedgerUnavailable) and self.on_release_lost is not None:
-            self.on_release_lost(lease, exc)
+        if isinstance(exc, LedgerUnavailable) and self._on_release_lost is not None:
+            self._on_release_lost(lease, exc)
 
     async def _send_releases(self, pool: str) -> None:
         """One call per batch of queued releases of `pool`, until none is left. Nothing cancels
@@ -393,9 +366,9 @@ class RedisLedger:
         for pool in names:
             epoch = await self._call(partial(self._client.get, pool_keys(pool)[4]))
             if epoch is None:
-                if pool in self._epochs and self.on_reset is not None:
+                if pool in self._epochs and self._on_reset is not None:
                     del self._epochs[pool]
-                    self.on_reset(pool)  # state gone: nothing wrote since the restart
+                    self._on_reset(pool)  # state gone: nothing wrote since the restart
             else:
                 self._saw_epoch(pool, epoch)
 
@@ -411,12 +384,13 @@ class RedisLedger:
         return int(seconds) + int(micros) / 1e6
 
     @property
-    def on_freed(self) -> Callable[[str], None] | None:
-        return self._subscription.on_freed
+    def shared(self) -> bool:
+        return True
 
-    @on_freed.setter
-    def on_freed(self, callback: Callable[[str], None] | None) -> None:
-        self._subscription.on_freed = callback
+    @property
+    def on_freed(self) -> Callable[[str], None] | None:
+        """The `on_freed` given at construction."""
+        return self._subscription.on_freed
 
     @property
     def subscribed(self) -> frozenset[str]:

@@ -28,8 +28,12 @@
   that restarted between two requests (no error seen) and re-asserts that pool's leases; an
   idle process also notices an outage within `heartbeat_s`, so readiness follows Redis. Each
   beat also registers this process in Redis and counts the processes registered there.
-- `on_freed` and `subscribe` are the primary's: releases by every replica, through Redis
-  pub/sub (the local ledger's releases are this process's own).
+- `on_freed` (given at construction) and `subscribe` are the primary's: releases by every
+  replica, through Redis pub/sub (the local ledger's releases are this process's own).
+
+It builds its `RedisLedger` itself, on the client it is given, with its own callbacks: a pool
+whose state Redis lost is re-asserted, and a cancelled reserve's release that could not reach
+Redis is replayed on recovery.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import os
 import secrets
 import socket
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from kvguard.ledger import (
     Claim,
@@ -69,11 +74,12 @@ def local_share(amount: int, replicas: int) -> int:
 
 
 class ResilientLedger:
-    """A Ledger over `primary` that applies `on_unavailable` while Redis cannot be reached."""
+    """A Ledger over a RedisLedger on `client` (`redis_ledger.connect`) that applies
+    `on_unavailable` while Redis cannot be reached."""
 
     def __init__(
         self,
-        primary: RedisLedger,
+        client: Any,
         *,
         on_unavailable: str = "reject",
         replicas: ReplicaCount | int = 1,
@@ -81,14 +87,18 @@ class ResilientLedger:
         on_reachability: Callable[[bool], None] | None = None,
         open_leases: Callable[[], Iterable[Lease]] | None = None,
         on_error: Callable[[], None] | None = None,
+        on_freed: Callable[[str], None] | None = None,
         probe_interval_s: float = 0.2,
         heartbeat_s: float = 1.0,
     ) -> None:
         if on_unavailable not in ON_UNAVAILABLE:
             raise ValueError(f"on_unavailable must be one of {ON_UNAVAILABLE}")
-        self.primary = primary
-        primary.on_reset = self._on_reset
-        primary.on_release_lost = self._release_lost
+        self.primary = RedisLedger(
+            client,
+            on_reset=self._on_reset,
+            on_release_lost=self._release_lost,
+            on_freed=on_freed,
+        )
         self.on_unavailable = on_unavailable
         # A fixed count is a floor known from the start; the heartbeats add what Redis counts.
         self.replicas = replicas if isinstance(replicas, ReplicaCount) else ReplicaCount(replicas)
@@ -223,13 +233,8 @@ class ResilientLedger:
         return await self._local.leases(pool)
 
     @property
-    def on_freed(self) -> Callable[[str], None] | None:
-        """Called with a pool when blocks of it were freed (RedisLedger.on_freed)."""
-        return self.primary.on_freed
-
-    @on_freed.setter
-    def on_freed(self, callback: Callable[[str], None] | None) -> None:
-        self.primary.on_freed = callback
+    def shared(self) -> bool:
+        return True
 
     def subscribe(self, pools: Iterable[str]) -> None:
         """Call `on_freed` for the blocks freed in `pools` (RedisLedger.subscribe)."""

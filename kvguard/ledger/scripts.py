@@ -1,16 +1,22 @@
-"""The Lua scripts of the Redis ledger, and the keys they take.
+"""The Lua scripts of the Redis ledger, the keys they take, and reserve's answer.
 
 Each script is package data (kvguard/ledger/lua/NAME.lua), expanded with its `--#include` lines
 (lib.lua) and named by its SHA1 for EVALSHA; every key of a pool is hash-tagged `{pool}`, so a
-script's keys share one Redis Cluster slot.
+script's keys share one Redis Cluster slot. lib.lua binds them to named locals in the order of
+`all_keys`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.resources
+import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, NamedTuple, TypeVar
+
+from kvguard.ledger import Claim, Outcome, Reservation
 
 _INCLUDE = re.compile(r"^--#include (\S+)$", re.MULTILINE)
 
@@ -40,7 +46,7 @@ REPLICAS_KEY = "kvguard:replicas"
 
 def pool_keys(pool: str) -> list[str]:
     """KEYS[1..5] of the scripts for `pool`: leases, expiries, tenants, reserved, epoch
-    (lib.lua)."""
+    (lib.lua's LEASES, EXPIRIES, TENANTS, RESERVED, EPOCH)."""
     tag = f"kvguard:{{{pool}}}"
     return [f"{tag}:leases", f"{tag}:expiries", f"{tag}:tenants", f"{tag}:reserved", f"{tag}:epoch"]
 
@@ -48,7 +54,7 @@ def pool_keys(pool: str) -> list[str]:
 def promise_keys(pool: str) -> list[str]:
     """KEYS[6..15], after `pool_keys`: promises, promise lines, promise sequence, promise
     expiries, promised, promised tenants, holding, holding tenants, unreturned, promise budgets
-    (lib.lua)."""
+    (lib.lua's PROMISES to BUDGETS)."""
     tag = f"kvguard:{{{pool}}}"
     names = (
         "promises",
@@ -67,11 +73,62 @@ def promise_keys(pool: str) -> list[str]:
 
 def end_keys(pool: str) -> list[str]:
     """KEYS[16..17], after `promise_keys`: the leases' expected ends, the pool's and each
-    tenant's (lib.lua)."""
+    tenant's (lib.lua's ENDS, TENANT_ENDS)."""
     tag = f"kvguard:{{{pool}}}"
     return [f"{tag}:ends", f"{tag}:tenant-ends"]
 
 
 def all_keys(pool: str) -> list[str]:
-    """The KEYS of every script for `pool` (lib.lua)."""
+    """The KEYS of every script for `pool`, in the order lib.lua binds them to names."""
     return [*pool_keys(pool), *promise_keys(pool), *end_keys(pool)]
+
+
+_OUTCOMES = {0: Outcome.ADMITTED, 1: Outcome.TENANT_QUOTA, 2: Outcome.POOL_WATERMARK}
+_NONE = -1  # reserve.lua's times for "never" / "no retry" / "nothing due"
+T = TypeVar("T")
+
+
+def _seconds(ms: int, none: T) -> float | T:
+    """A script's ms as seconds, or `none` for -1."""
+    return none if ms == _NONE else ms / 1000
+
+
+class ReserveAnswer(NamedTuple):
+    """reserve.lua's answer, its slots in this order (the header of reserve.lua, which builds
+    it by these names in `answer`). Times are ms of Redis TIME, -1 for none; amounts blocks."""
+
+    outcome: int  # 0 admitted, 1 tenant quota, 2 pool watermark
+    pool_reserved: int  # after this step; promised blocks not included
+    tenant_reserved: int
+    epoch: str  # the pool's epoch; '' when an impossible claim was refused without reading it
+    wait: int  # until a refused claim with terms is expected to fit (-1: never)
+    retry_after: int  # until the client should retry (-1: not within max wait, or no terms)
+    promised: int  # 1: promised that slot; 0: the time only told
+    changes_in: int  # refused: until a lease or a promise expires by itself (-1: none due)
+    waiting: int  # refused, back at its promise's time: how long its blocks stay held
+    held: int  # the blocks held for its tenant's retries that this claim counted
+
+    @classmethod
+    def from_script(cls, answer: Sequence[Any]) -> ReserveAnswer:
+        """The script's array, read slot by slot in the order of the fields (ValueError when
+        it has another length)."""
+        slots = dict(zip(cls._fields, answer, strict=True))
+        epoch = slots.pop("epoch")
+        text = epoch.decode() if isinstance(epoch, bytes) else str(epoch)
+        return cls(epoch=text, **{name: int(value) for name, value in slots.items()})
+
+    def reservation(self, claim: Claim) -> Reservation:
+        """The answer to `claim` as the Ledger protocol gives it."""
+        outcome = _OUTCOMES[self.outcome]
+        return Reservation(
+            outcome=outcome,
+            pool_reserved=self.pool_reserved,
+            tenant_reserved=self.tenant_reserved,
+            lease=claim.lease() if outcome is Outcome.ADMITTED else None,
+            wait_s=_seconds(self.wait, math.inf),
+            retry_after_s=_seconds(self.retry_after, None),
+            promised=bool(self.promised),
+            changes_in_s=_seconds(self.changes_in, math.inf),
+            waiting_s=self.waiting / 1000,
+            holding=self.held,
+        )

@@ -20,6 +20,7 @@ def from_url(
     on_reachability: Callable[[bool], None] | None = None,
     open_leases: Callable[[], Iterable[Lease]] | None = None,
     on_error: Callable[[], None] | None = None,
+    on_freed: Callable[[str], None] | None = None,
 ) -> Ledger:
     """The ledger for `url`; the scheme picks the backend.
 
@@ -27,23 +28,25 @@ def from_url(
     `rediss://`: the shared ledger (`cluster`: the URL names a Redis Cluster seed node), wrapped
     in a ResilientLedger that applies `on_unavailable` with `replicas` (a fixed count, or one
     counted at runtime) while Redis cannot be reached, reports reachability to
-    `on_reachability`, counts errors through `on_error`, and re-asserts
-    `open_leases()` for `lease_seconds` when Redis comes back.
+    `on_reachability`, counts errors through `on_error`, re-asserts
+    `open_leases()` for `lease_seconds` when Redis comes back, and calls `on_freed(pool)` when
+    any replica frees blocks of a subscribed pool. The memory ledger needs none of these.
     """
 
     def redis() -> Ledger:
         # Imported here: a memory-only deployment never loads the Redis client.
-        from kvguard.ledger.redis_ledger import RedisLedger
+        from kvguard.ledger.redis_ledger import connect
         from kvguard.ledger.resilient import ResilientLedger
 
         return ResilientLedger(
-            RedisLedger.from_url(url, cluster=cluster),
+            connect(url, cluster=cluster),
             on_unavailable=on_unavailable,
             replicas=replicas,
             lease_seconds=lease_seconds,
             on_reachability=on_reachability,
             open_leases=open_leases,
             on_error=on_error,
+            on_freed=on_freed,
         )
 
     backends: dict[str, Callable[[], Ledger]] = {

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import pytest
 
 from kvguard.ledger import Claim, Ledger, PoolUsage
-from kvguard.ledger.redis_ledger import RedisLedger
+from kvguard.ledger.redis_ledger import RedisLedger, connect
 from kvguard.ledger.resilient import ResilientLedger
 from kvguard.ledger.url import from_url
 from kvguard.testing.redis import RedisCluster, RedisServer
@@ -114,7 +114,7 @@ async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
         return
     redis = emptied_redis(request, request.param)
     ledger = ResilientLedger(
-        RedisLedger.from_url(redis.url, cluster=request.param == "cluster", timeout_s=PATIENT_S)
+        connect(redis.url, cluster=request.param == "cluster", timeout_s=PATIENT_S)
     )
     try:
         yield Backend(ledger, RedisClock(ledger.primary))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any
 
@@ -89,8 +89,9 @@ class Proxies:
 
 
 @contextlib.asynccontextmanager
-async def through_proxies(redis: Any) -> AsyncIterator[tuple[Proxies, RedisLedger]]:
-    """A RedisLedger that reaches `redis` (a server or a cluster) only through Proxies."""
+async def proxied(redis: Any) -> AsyncIterator[tuple[Proxies, Any]]:
+    """A redis-py client that reaches `redis` (a server or a cluster) only through Proxies, for
+    the ledger a test builds on it (closed here too: closing it again is harmless)."""
     cluster = isinstance(redis, RedisCluster)
     ports = redis.ports if cluster else [redis.port]
     proxies = Proxies()
@@ -99,13 +100,26 @@ async def through_proxies(redis: Any) -> AsyncIterator[tuple[Proxies, RedisLedge
     client = connect(seed, cluster=cluster, timeout_s=PATIENT_S)  # held answers are not lost
     if cluster:  # the nodes it discovers are reached through their proxies too
         client.nodes_manager.address_remap = lambda node: (LOOPBACK, proxies.ports[node[1]])
-    ledger = RedisLedger(client)
     try:
-        yield proxies, ledger
+        yield proxies, client
     finally:
         proxies.restore()
-        await ledger.close()
+        await client.aclose()
         await proxies.close()
+
+
+@contextlib.asynccontextmanager
+async def through_proxies(
+    redis: Any, *, on_freed: Callable[[str], None] | None = None
+) -> AsyncIterator[tuple[Proxies, RedisLedger]]:
+    """A RedisLedger that reaches `redis` (a server or a cluster) only through Proxies."""
+    async with proxied(redis) as (proxies, client):
+        ledger = RedisLedger(client, on_freed=on_freed)
+        try:
+            yield proxies, ledger
+        finally:
+            proxies.restore()
+            await ledger.close()
 
 
 async def reserve_then_cancel(ledger: Ledger, proxies: Proxies, direct: Ledger) -> None:

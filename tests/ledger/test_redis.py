@@ -14,11 +14,11 @@ import pytest
 
 from kvguard.ledger import Lease, Ledger, LedgerUnavailable, Outcome
 from kvguard.ledger import redis_ledger as redis_ledger_module
-from kvguard.ledger.redis_ledger import RedisLedger
+from kvguard.ledger.redis_ledger import RedisLedger, connect
 from kvguard.ledger.scripts import load_script, pool_keys
 from kvguard.testing.redis import RedisCluster, RedisServer
 from kvguard.testing.wait import wait_until
-from tests.ledger.conftest import claim, until_usage
+from tests.ledger.conftest import PATIENT_S, claim, until_usage
 from tests.ledger.proxies import reserve_then_cancel, through_proxies
 
 
@@ -187,18 +187,23 @@ async def test_a_redis_without_the_scripts_runs_them_anyway(
 async def test_a_pool_whose_state_vanished_is_reported_once(
     redis_ledger: tuple[Any, RedisLedger],
 ) -> None:
-    redis, ledger = redis_ledger
+    redis, _ = redis_ledger
     resets: list[str] = []
-    ledger.on_reset = resets.append
-    await ledger.reserve(claim("1", 10, pool="p"))
-    await ledger.reserve(claim("2", 10, pool="q"))
-    await ledger.check(["p", "q"])
-    assert resets == []
-    redis.flushall()  # what a restart without persistence leaves
-    await ledger.check(["p"])
-    assert resets == ["p"]
-    await ledger.reserve(claim("3", 10, pool="q"))  # a new epoch, written by this reserve
-    assert resets == ["p", "q"]
+    cluster = isinstance(redis, RedisCluster)
+    client = connect(redis.url, cluster=cluster, timeout_s=PATIENT_S)
+    ledger = RedisLedger(client, on_reset=resets.append)
+    try:
+        await ledger.reserve(claim("1", 10, pool="p"))
+        await ledger.reserve(claim("2", 10, pool="q"))
+        await ledger.check(["p", "q"])
+        assert resets == []
+        redis.flushall()  # what a restart without persistence leaves
+        await ledger.check(["p"])
+        assert resets == ["p"]
+        await ledger.reserve(claim("3", 10, pool="q"))  # a new epoch, written by this reserve
+        assert resets == ["p", "q"]
+    finally:
+        await ledger.close()
 
 
 @pytest.mark.redis  # its server is never started, but RedisServer needs the binary

@@ -21,7 +21,7 @@ from kvguard.app import Service
 from kvguard.ledger import Lease, Outcome
 from kvguard.ledger import freed as freed_module
 from kvguard.ledger.freed import freed_channel
-from kvguard.ledger.redis_ledger import RedisLedger
+from kvguard.ledger.redis_ledger import RedisLedger, connect
 from kvguard.ledger.resilient import ResilientLedger
 from kvguard.testing.redis import RedisServer
 from kvguard.testing.wait import wait_until
@@ -36,9 +36,9 @@ class Replica:
     """A RedisLedger and the pools its on_freed was called for, counted."""
 
     def __init__(self, url: str, *, cluster: bool = False) -> None:
-        self.ledger = RedisLedger.from_url(url, cluster=cluster, timeout_s=PATIENT_S)
         self.freed: Counter[str] = Counter()
-        self.ledger.on_freed = self._count
+        client = connect(url, cluster=cluster, timeout_s=PATIENT_S)
+        self.ledger = RedisLedger(client, on_freed=self._count)
 
     def _count(self, pool: str) -> None:
         self.freed[pool] += 1
@@ -203,11 +203,10 @@ async def test_a_waiter_in_one_replicas_queue_is_admitted_when_another_releases(
     """Replica A's queue holds a refused request; B's release is all that frees its blocks (no
     lease expires, nothing else wakes A)."""
     redis = emptied_redis(request, "redis")
-    a = ResilientLedger(RedisLedger.from_url(redis.url, timeout_s=PATIENT_S))
-    b = RedisLedger.from_url(redis.url, timeout_s=PATIENT_S)
     released: list[Lease] = []
     queue = AdmissionQueue(lambda _pool, _tenant: 0, released.append)
-    a.on_freed = queue.notify
+    a = ResilientLedger(connect(redis.url, timeout_s=PATIENT_S), on_freed=queue.notify)
+    b = RedisLedger.from_url(redis.url, timeout_s=PATIENT_S)
     try:
         await a.start()
         a.subscribe(["p"])
@@ -275,7 +274,7 @@ async def test_a_service_subscribes_its_policys_pools(
     service = Service(configs.load(write_config(tmp_path, config), environ={}))
     ledger = service.ledger
     assert isinstance(ledger, ResilientLedger)
-    assert ledger.on_freed == service.queue.notify
+    assert ledger.primary.on_freed == service.queue.notify
     await service.start()
     try:
         await wait_until(
@@ -301,8 +300,11 @@ async def test_a_silent_subscription_counts_as_broken(
     monkeypatch.setattr(freed_module, "KEEPALIVE_S", 0.2)
     redis_server.flushall()
     freed: Counter[str] = Counter()
-    async with through_proxies(redis_server) as (proxies, ledger):
-        ledger.on_freed = lambda pool: freed.update([pool])
+
+    def count(pool: str) -> None:
+        freed[pool] += 1
+
+    async with through_proxies(redis_server, on_freed=count) as (proxies, ledger):
         ledger.subscribe(["p"])
         await wait_until(lambda: ledger.subscribed == {"p"}, "p subscribed", timeout_s=DEADLINE_S)
         proxies.answers.clear()

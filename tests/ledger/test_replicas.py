@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvguard.ledger import LedgerUnavailable, Outcome
-from kvguard.ledger.redis_ledger import RedisLedger
+from kvguard.ledger.redis_ledger import RedisLedger, connect
 from kvguard.ledger.replicas import REGISTRATION_TTL_S, ReplicaCount
 from kvguard.ledger.resilient import ResilientLedger
 from kvguard.ledger.scripts import REPLICAS_KEY
@@ -19,7 +19,7 @@ from kvguard.testing.redis import RedisServer
 from kvguard.testing.wait import wait_until
 from tests.clock import Clock
 from tests.ledger.conftest import DEADLINE_S, claim
-from tests.ledger.proxies import through_proxies
+from tests.ledger.proxies import proxied
 
 
 def test_nothing_known_is_no_count() -> None:
@@ -161,10 +161,8 @@ async def test_replicas_count_each_other_in_redis_and_leave_on_close(
 ) -> None:
     redis_server.flushall()
     clock = Clock()  # the count's window of heartbeats; Redis keeps its own time
-    one = ResilientLedger(
-        RedisLedger.from_url(redis_server.url), replicas=ReplicaCount(clock=clock)
-    )
-    two = ResilientLedger(RedisLedger.from_url(redis_server.url), replicas=ReplicaCount())
+    one = ResilientLedger(connect(redis_server.url), replicas=ReplicaCount(clock=clock))
+    two = ResilientLedger(connect(redis_server.url), replicas=ReplicaCount())
     try:
         await one.start()
         assert one.replicas.count == 1  # registered at start
@@ -192,10 +190,10 @@ async def test_replicas_count_each_other_in_redis_and_leave_on_close(
 async def test_an_outage_shares_the_pool_by_the_last_count(redis_server: RedisServer) -> None:
     redis_server.flushall()
     clock = Clock()
-    other = ResilientLedger(RedisLedger.from_url(redis_server.url), replicas=ReplicaCount())
-    async with through_proxies(redis_server) as (proxies, primary):
+    other = ResilientLedger(connect(redis_server.url), replicas=ReplicaCount())
+    async with proxied(redis_server) as (proxies, client):
         ledger = ResilientLedger(
-            primary,
+            client,
             on_unavailable="local",
             replicas=ReplicaCount(clock=clock),
             probe_interval_s=0.02,
@@ -232,7 +230,7 @@ async def test_a_process_that_never_knew_a_count_refuses(tmp_path: Path) -> None
     never_started = RedisServer(tmp_path / "redis")  # its port refuses connections
     replicas = ReplicaCount()
     ledger = ResilientLedger(
-        RedisLedger.from_url(never_started.url),
+        connect(never_started.url),
         on_unavailable="local",
         replicas=replicas,
         probe_interval_s=30,

@@ -13,12 +13,12 @@ import pytest
 
 from kvguard.admission.leases import LeaseKeeper
 from kvguard.ledger import LedgerUnavailable, Outcome
-from kvguard.ledger.redis_ledger import RedisLedger
+from kvguard.ledger.redis_ledger import RedisLedger, connect
 from kvguard.ledger.resilient import ResilientLedger, local_share
 from kvguard.testing.redis import RedisServer
 from kvguard.testing.wait import wait_until
 from tests.ledger.conftest import DEADLINE_S, PATIENT_S, claim, until_usage
-from tests.ledger.proxies import reserve_then_cancel, through_proxies
+from tests.ledger.proxies import proxied, reserve_then_cancel
 
 
 def test_the_local_share_rounds_down() -> None:
@@ -29,8 +29,8 @@ def test_the_local_share_rounds_down() -> None:
 async def test_a_cancelled_reserves_release_that_cannot_reach_redis_is_replayed(
     redis_server: RedisServer, direct: RedisLedger
 ) -> None:
-    async with through_proxies(redis_server) as (proxies, primary):
-        ledger = ResilientLedger(primary, probe_interval_s=0.02)
+    async with proxied(redis_server) as (proxies, client):
+        ledger = ResilientLedger(client, probe_interval_s=0.02)
         try:
             await ledger.start()
             await reserve_then_cancel(ledger, proxies, direct)
@@ -50,9 +50,9 @@ async def test_a_cancelled_reserves_release_that_cannot_reach_redis_is_replayed(
 async def test_a_lease_redis_admits_after_the_flip_to_local_counts_in_the_local_share(
     redis_server: RedisServer, direct: RedisLedger
 ) -> None:
-    async with through_proxies(redis_server) as (proxies, primary):
+    async with proxied(redis_server) as (proxies, client):
         ledger = ResilientLedger(
-            primary, on_unavailable="local", replicas=2, probe_interval_s=30, heartbeat_s=30
+            client, on_unavailable="local", replicas=2, probe_interval_s=30, heartbeat_s=30
         )
         try:
             await ledger.start()
@@ -77,12 +77,13 @@ async def test_a_lease_released_while_a_pool_reset_reasserts_is_released_again(
 ) -> None:
     """Redis restarted empty: the pool's open leases are re-asserted; one whose stream ended
     while that script waited to be sent was recorded again, and the script's answer was lost."""
-    async with through_proxies(redis_server) as (proxies, primary):
+    async with proxied(redis_server) as (proxies, client):
         keeper: LeaseKeeper
         ledger = ResilientLedger(
-            primary, open_leases=lambda: keeper.snapshot(), probe_interval_s=0.02, heartbeat_s=30
+            client, open_leases=lambda: keeper.snapshot(), probe_interval_s=0.02, heartbeat_s=30
         )
         keeper = LeaseKeeper(ledger, 60)
+        primary = ledger.primary
         try:
             await ledger.start()
             for lease_id in ("ended", "open"):
@@ -124,7 +125,7 @@ async def test_a_reassert_after_a_redis_restart_keeps_a_grown_lease(tmp_path: Pa
     with RedisServer(tmp_path / "redis") as redis:
         keeper: LeaseKeeper
         ledger = ResilientLedger(
-            RedisLedger.from_url(redis.url, timeout_s=PATIENT_S),
+            connect(redis.url, timeout_s=PATIENT_S),
             open_leases=lambda: keeper.snapshot(),
             probe_interval_s=0.02,
             heartbeat_s=0.05,
@@ -154,10 +155,10 @@ async def test_a_reassert_after_a_redis_restart_keeps_a_grown_lease(tmp_path: Pa
 async def test_growth_during_an_outage_reaches_the_local_ledger_then_redis(
     redis_server: RedisServer, direct: RedisLedger
 ) -> None:
-    async with through_proxies(redis_server) as (proxies, primary):
+    async with proxied(redis_server) as (proxies, client):
         keeper: LeaseKeeper
         ledger = ResilientLedger(
-            primary,
+            client,
             on_unavailable="local",
             open_leases=lambda: keeper.snapshot(),
             probe_interval_s=0.02,
@@ -198,8 +199,8 @@ async def test_an_outage_an_operation_finds_is_probed_at_once_not_after_the_hear
     redis_server: RedisServer,
 ) -> None:
     redis_server.flushall()
-    async with through_proxies(redis_server) as (proxies, primary):
-        ledger = ResilientLedger(primary, probe_interval_s=0.02, heartbeat_s=3600)
+    async with proxied(redis_server) as (proxies, client):
+        ledger = ResilientLedger(client, probe_interval_s=0.02, heartbeat_s=3600)
         try:
             await ledger.start()  # the watcher sleeps for its heartbeat
             proxies.cut()
@@ -221,8 +222,8 @@ async def test_close_leaves_no_watcher_behind(
 ) -> None:
     """A cancelled reserve's release fails while close() waits for it: Redis is then seen
     unreachable, and nothing may start watching it again."""
-    async with through_proxies(redis_server) as (proxies, primary):
-        ledger = ResilientLedger(primary, probe_interval_s=0.02)
+    async with proxied(redis_server) as (proxies, client):
+        ledger = ResilientLedger(client, probe_interval_s=0.02)
         await ledger.start()
         await reserve_then_cancel(ledger, proxies, direct)  # its release waits for an answer
         closing = asyncio.ensure_future(ledger.close())
@@ -240,7 +241,7 @@ async def test_close_leaves_no_watcher_behind(
 async def test_renewing_a_released_lease_locally_does_not_bring_it_back(tmp_path: Path) -> None:
     never_started = RedisServer(tmp_path / "redis")  # its port refuses connections
     ledger = ResilientLedger(
-        RedisLedger.from_url(never_started.url), on_unavailable="local", probe_interval_s=30
+        connect(never_started.url), on_unavailable="local", probe_interval_s=30
     )
     try:
         await ledger.start()

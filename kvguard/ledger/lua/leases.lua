@@ -7,9 +7,9 @@
 local now = now_ms()
 reclaim(now)
 local out = {}
-local all = redis.call('HGETALL', KEYS[1])
+local all = redis.call('HGETALL', LEASES)
 for i = 1, #all, 2 do
-  local expiry = redis.call('ZSCORE', KEYS[2], all[i])
+  local expiry = redis.call('ZSCORE', EXPIRIES, all[i])
   table.insert(out, all[i])
   table.insert(out, all[i + 1])
   table.insert(out, tonumber(expiry or now))

@@ -1,36 +1,51 @@
 -- lib: functions shared by the ledger scripts; the loader puts this file where a script says
--- "--#include lib.lua". It uses the script's KEYS, always in this order, all of one pool and
--- hash-tagged {pool} so that they share a Redis Cluster slot:
---   KEYS[1] leases:   hash, lease id -> "<blocks>:<tenant>"
---   KEYS[2] expiries: sorted set, lease id -> expiry in ms of Redis TIME
---   KEYS[3] tenants:  hash, tenant -> blocks reserved by that tenant (absent when 0)
---   KEYS[4] reserved: string, blocks reserved in the pool (absent when 0)
---   KEYS[5] epoch:    string, set once when this pool's state is first written; a Redis that
---                     restarted empty (or was flushed) has none, so processes can tell that
---                     they must re-assert their open leases.
--- and the promises made to refused claims, and when leases are expected to end:
---   KEYS[6]  promises:         hash, retry key -> "<blocks>:<retry at ms>:<expiry ms>:<holding>
---                              <returned>:<seq>:<tenant>", holding 1 once its client came back
---                              at its time (its blocks then count against its tenant's claims),
---                              returned 1 once its client came back at all, seq its place
---   KEYS[7]  promise lines:    sorted set, all scores 0, members "<line>:<seq, 15 digits>:<key>":
---                              each tenant's promises in the order they were made
---                              (ZRANGEBYLEX), <line> being "<#tenant>:<tenant>"
---   KEYS[8]  promise sequence: string, the last sequence number given (INCR)
---   KEYS[9]  promise expiries: sorted set, retry key -> expiry (retry at + grace) in ms
---   KEYS[10] promised:         string, blocks promised in the pool (absent when 0)
---   KEYS[11] promised tenants: hash, tenant -> blocks promised to that tenant (absent when 0)
---   KEYS[12] holding:          string, blocks of the holding promises (absent when 0)
---   KEYS[13] holding tenants:  hash, tenant -> blocks of its holding promises (absent when 0)
---   KEYS[14] unreturned:       hash, tenant -> expiry in ms of the promise whose client never
---                              came back and took its budget to 0
---   KEYS[15] budgets:          hash, tenant -> promises it may have open (PROMISE_BUDGET when
---                              absent)
---   KEYS[16] ends:             sorted set, lease id -> when it is expected to end, in ms
---   KEYS[17] tenant ends:      sorted set, all scores 0, members
---                              "<line>:<end ms, 15 digits>:<lease id>": each tenant's leases in
---                              order of their expected ends (ZRANGEBYLEX)
--- Every script takes all of them.
+-- "--#include lib.lua". It uses the script's KEYS, always in this order (the order of
+-- kvguard.ledger.scripts.all_keys), all of one pool and hash-tagged {pool} so that they share a
+-- Redis Cluster slot. Every script takes all of them; each is bound to a name here, and used by
+-- that name:
+-- hash, lease id -> "<blocks>:<tenant>"
+local LEASES = KEYS[1]
+-- sorted set, lease id -> expiry in ms of Redis TIME
+local EXPIRIES = KEYS[2]
+-- hash, tenant -> blocks reserved by that tenant (absent when 0)
+local TENANTS = KEYS[3]
+-- string, blocks reserved in the pool (absent when 0)
+local RESERVED = KEYS[4]
+-- string, set once when this pool's state is first written; a Redis that restarted empty (or
+-- was flushed) has none, so processes can tell that they must re-assert their open leases.
+local EPOCH = KEYS[5]
+-- The promises made to refused claims:
+-- hash, retry key -> "<blocks>:<retry at ms>:<expiry ms>:<holding><returned>:<seq>:<tenant>",
+-- holding 1 once its client came back at its time (its blocks then count against its tenant's
+-- claims), returned 1 once its client came back at all, seq its place
+local PROMISES = KEYS[6]
+-- sorted set, all scores 0, members "<line>:<seq, 15 digits>:<key>": each tenant's promises in
+-- the order they were made (ZRANGEBYLEX), <line> being "<#tenant>:<tenant>"
+local PROMISE_LINES = KEYS[7]
+-- string, the last sequence number given (INCR)
+local PROMISE_SEQ = KEYS[8]
+-- sorted set, retry key -> expiry (retry at + grace) in ms
+local PROMISE_EXPIRIES = KEYS[9]
+-- string, blocks promised in the pool (absent when 0)
+local PROMISED = KEYS[10]
+-- hash, tenant -> blocks promised to that tenant (absent when 0)
+local PROMISED_TENANTS = KEYS[11]
+-- string, blocks of the holding promises (absent when 0)
+local HOLDING = KEYS[12]
+-- hash, tenant -> blocks of its holding promises (absent when 0)
+local HOLDING_TENANTS = KEYS[13]
+-- hash, tenant -> expiry in ms of the promise whose client never came back and took its budget
+-- to 0
+local UNRETURNED = KEYS[14]
+-- hash, tenant -> promises it may have open (PROMISE_BUDGET when absent)
+local BUDGETS = KEYS[15]
+-- And when leases are expected to end:
+-- sorted set, lease id -> when it is expected to end, in ms
+local ENDS = KEYS[16]
+-- sorted set, all scores 0, members "<line>:<end ms, 15 digits>:<lease id>": each tenant's
+-- leases in order of their expected ends (ZRANGEBYLEX)
+local TENANT_ENDS = KEYS[17]
+
 -- Amounts are KV-cache blocks of the pool's block size; times are ms of Redis TIME (one clock).
 
 -- Expired leases reclaimed per call at most (and as many expired promises), so that one call
@@ -73,11 +88,11 @@ local function non_negative_number(value, name)
 end
 
 local function tenant_reserved(tenant)
-  return tonumber(redis.call('HGET', KEYS[3], tenant) or '0')
+  return tonumber(redis.call('HGET', TENANTS, tenant) or '0')
 end
 
 local function pool_reserved()
-  return tonumber(redis.call('GET', KEYS[4]) or '0')
+  return tonumber(redis.call('GET', RESERVED) or '0')
 end
 
 -- A lease's stored value "<blocks>:<tenant>" as blocks, tenant (the tenant may hold ':').
@@ -88,16 +103,16 @@ end
 
 -- Tell every kvguard process subscribed to the pool that `blocks` were freed (none: nothing is
 -- sent): a sharded pub/sub message, the blocks, on kvguard:{pool}:freed, the channel of the
--- pool's hash tag and so of its Redis Cluster slot (kvguard.ledger.redis_ledger.freed_channel).
+-- pool's hash tag and so of its Redis Cluster slot (kvguard.ledger.freed.freed_channel).
 local function publish_freed(blocks)
   if blocks > 0 then
-    -- KEYS[1] is kvguard:{pool}:leases.
-    redis.call('SPUBLISH', string.sub(KEYS[1], 1, -#':leases' - 1) .. ':freed', blocks)
+    -- LEASES is kvguard:{pool}:leases.
+    redis.call('SPUBLISH', string.sub(LEASES, 1, -#':leases' - 1) .. ':freed', blocks)
   end
 end
 
--- A tenant's line: what its members of KEYS[7] and KEYS[17] start with (the length first, so
--- that no tenant's line is the start of another's).
+-- A tenant's line: what its members of PROMISE_LINES and TENANT_ENDS start with (the length
+-- first, so that no tenant's line is the start of another's).
 local function line_of(tenant)
   return #tenant .. ':' .. tenant .. ':'
 end
@@ -108,75 +123,75 @@ end
 
 -- The lease's expected end `at` (ms), indexed for the pool and its tenant.
 local function expect_end(lease_id, tenant, at)
-  local before = redis.call('ZSCORE', KEYS[16], lease_id)
+  local before = redis.call('ZSCORE', ENDS, lease_id)
   if before then
     before = tonumber(before)
     if before == at then
       return
     end
-    redis.call('ZREM', KEYS[17], end_member(tenant, before, lease_id))
+    redis.call('ZREM', TENANT_ENDS, end_member(tenant, before, lease_id))
   end
-  redis.call('ZADD', KEYS[16], at, lease_id)
-  redis.call('ZADD', KEYS[17], 0, end_member(tenant, at, lease_id))
+  redis.call('ZADD', ENDS, at, lease_id)
+  redis.call('ZADD', TENANT_ENDS, 0, end_member(tenant, at, lease_id))
 end
 
 -- Remove one lease and give its blocks back; returns the blocks (0 for an unknown lease).
 local function drop(lease_id)
-  local value = redis.call('HGET', KEYS[1], lease_id)
+  local value = redis.call('HGET', LEASES, lease_id)
   if not value then
     return 0
   end
   local blocks, tenant = parse(value)
-  local at = redis.call('ZSCORE', KEYS[16], lease_id)
+  local at = redis.call('ZSCORE', ENDS, lease_id)
   if at then
-    redis.call('ZREM', KEYS[17], end_member(tenant, tonumber(at), lease_id))
-    redis.call('ZREM', KEYS[16], lease_id)
+    redis.call('ZREM', TENANT_ENDS, end_member(tenant, tonumber(at), lease_id))
+    redis.call('ZREM', ENDS, lease_id)
   end
-  redis.call('HDEL', KEYS[1], lease_id)
-  redis.call('ZREM', KEYS[2], lease_id)
-  if redis.call('HINCRBY', KEYS[3], tenant, -blocks) <= 0 then
-    redis.call('HDEL', KEYS[3], tenant)
+  redis.call('HDEL', LEASES, lease_id)
+  redis.call('ZREM', EXPIRIES, lease_id)
+  if redis.call('HINCRBY', TENANTS, tenant, -blocks) <= 0 then
+    redis.call('HDEL', TENANTS, tenant)
   end
-  if redis.call('DECRBY', KEYS[4], blocks) <= 0 then
-    redis.call('DEL', KEYS[4])
+  if redis.call('DECRBY', RESERVED, blocks) <= 0 then
+    redis.call('DEL', RESERVED)
   end
   return blocks
 end
 
 -- Record a lease (no checks) with its expiry and its expected end.
 local function record(lease_id, tenant, blocks, expiry, ends_at)
-  redis.call('HSET', KEYS[1], lease_id, blocks .. ':' .. tenant)
-  redis.call('ZADD', KEYS[2], expiry, lease_id)
-  redis.call('HINCRBY', KEYS[3], tenant, blocks)
-  redis.call('INCRBY', KEYS[4], blocks)
+  redis.call('HSET', LEASES, lease_id, blocks .. ':' .. tenant)
+  redis.call('ZADD', EXPIRIES, expiry, lease_id)
+  redis.call('HINCRBY', TENANTS, tenant, blocks)
+  redis.call('INCRBY', RESERVED, blocks)
   expect_end(lease_id, tenant, ends_at)
 end
 
 -- Count `growth` more blocks for a held lease of `tenant` (no checks), which then counts
 -- `blocks` in all: drop() gives back the grown amount.
 local function grow(lease_id, tenant, growth, blocks)
-  redis.call('HSET', KEYS[1], lease_id, blocks .. ':' .. tenant)
-  redis.call('HINCRBY', KEYS[3], tenant, growth)
-  redis.call('INCRBY', KEYS[4], growth)
+  redis.call('HSET', LEASES, lease_id, blocks .. ':' .. tenant)
+  redis.call('HINCRBY', TENANTS, tenant, growth)
+  redis.call('INCRBY', RESERVED, growth)
 end
 
 -- Lookups per HMGET in the walks below (unpack has a stack limit).
 local WALK_BATCH = 1000
 
 local function pool_promised()
-  return tonumber(redis.call('GET', KEYS[10]) or '0')
+  return tonumber(redis.call('GET', PROMISED) or '0')
 end
 
 local function tenant_promised(tenant)
-  return tonumber(redis.call('HGET', KEYS[11], tenant) or '0')
+  return tonumber(redis.call('HGET', PROMISED_TENANTS, tenant) or '0')
 end
 
 local function pool_holding()
-  return tonumber(redis.call('GET', KEYS[12]) or '0')
+  return tonumber(redis.call('GET', HOLDING) or '0')
 end
 
 local function tenant_holding(tenant)
-  return tonumber(redis.call('HGET', KEYS[13], tenant) or '0')
+  return tonumber(redis.call('HGET', HOLDING_TENANTS, tenant) or '0')
 end
 
 -- Move a pool counter (string `total`) and a tenant's counter (hash `by_tenant`) by `change`,
@@ -214,17 +229,17 @@ local function store_promise(key, p)
   local value = p.blocks .. ':' .. p.retry_at .. ':' .. p.expiry .. ':'
     .. (p.holding and '1' or '0') .. (p.returned and '1' or '0') .. ':' .. p.seq .. ':'
     .. p.tenant
-  redis.call('HSET', KEYS[6], key, value)
+  redis.call('HSET', PROMISES, key, value)
 end
 
--- The promise's member of KEYS[7], its place in its tenant's line.
+-- The promise's member of PROMISE_LINES, its place in its tenant's line.
 local function line_member(key, p)
   return line_of(p.tenant) .. string.format('%015d', p.seq) .. ':' .. key
 end
 
 -- The promise held under `key`, or nil.
 local function held_promise(key)
-  local value = redis.call('HGET', KEYS[6], key)
+  local value = redis.call('HGET', PROMISES, key)
   return value and parse_promise(value) or nil
 end
 
@@ -236,13 +251,13 @@ local function promise(key, tenant, blocks, retry_at, expiry)
     expiry = expiry,
     holding = false,
     returned = false,
-    seq = redis.call('INCR', KEYS[8]),
+    seq = redis.call('INCR', PROMISE_SEQ),
     tenant = tenant,
   }
   store_promise(key, p)
-  redis.call('ZADD', KEYS[7], 0, line_member(key, p))
-  redis.call('ZADD', KEYS[9], expiry, key)
-  add(KEYS[10], KEYS[11], tenant, blocks)
+  redis.call('ZADD', PROMISE_LINES, 0, line_member(key, p))
+  redis.call('ZADD', PROMISE_EXPIRIES, expiry, key)
+  add(PROMISED, PROMISED_TENANTS, tenant, blocks)
 end
 
 -- Its client is back at its time (`p` under `key`): its blocks count against its tenant's claims.
@@ -250,12 +265,12 @@ local function hold_for(key, p)
   if not p.holding then
     p.holding = true
     store_promise(key, p)
-    add(KEYS[12], KEYS[13], p.tenant, p.blocks)
+    add(HOLDING, HOLDING_TENANTS, p.tenant, p.blocks)
   end
 end
 
 local function budget_of(tenant)
-  return tonumber(redis.call('HGET', KEYS[15], tenant) or PROMISE_BUDGET)
+  return tonumber(redis.call('HGET', BUDGETS, tenant) or PROMISE_BUDGET)
 end
 
 -- The client of `p` (under `key`) came back: the first time, its tenant may have twice as many
@@ -265,7 +280,7 @@ local function came_back(key, p)
     p.returned = true
     store_promise(key, p)
     local budget = math.min(2 * math.max(budget_of(p.tenant), 1), MAX_PROMISE_BUDGET)
-    redis.call('HSET', KEYS[15], p.tenant, budget)
+    redis.call('HSET', BUDGETS, p.tenant, budget)
   end
 end
 
@@ -274,15 +289,15 @@ end
 local function may_promise(tenant, now, max_wait)
   local budget = budget_of(tenant)
   if budget == 0 then
-    local unreturned = tonumber(redis.call('HGET', KEYS[14], tenant) or now)
+    local unreturned = tonumber(redis.call('HGET', UNRETURNED, tenant) or now)
     if now < unreturned + max_wait then
       return false
     end
     budget = 1
-    redis.call('HSET', KEYS[15], tenant, budget)
+    redis.call('HSET', BUDGETS, tenant, budget)
   end
   local line = line_of(tenant)
-  return redis.call('ZLEXCOUNT', KEYS[7], '[' .. line, '[' .. line .. '\255') < budget
+  return redis.call('ZLEXCOUNT', PROMISE_LINES, '[' .. line, '[' .. line .. '\255') < budget
 end
 
 -- Remove the promise under `key` and give its blocks back (no-op for an unknown key); returns
@@ -292,12 +307,12 @@ local function unpromise(key)
   if not p then
     return 0
   end
-  redis.call('HDEL', KEYS[6], key)
-  redis.call('ZREM', KEYS[7], line_member(key, p))
-  redis.call('ZREM', KEYS[9], key)
-  add(KEYS[10], KEYS[11], p.tenant, -p.blocks)
+  redis.call('HDEL', PROMISES, key)
+  redis.call('ZREM', PROMISE_LINES, line_member(key, p))
+  redis.call('ZREM', PROMISE_EXPIRIES, key)
+  add(PROMISED, PROMISED_TENANTS, p.tenant, -p.blocks)
   if p.holding then
-    add(KEYS[12], KEYS[13], p.tenant, -p.blocks)
+    add(HOLDING, HOLDING_TENANTS, p.tenant, -p.blocks)
     return p.blocks
   end
   return 0
@@ -311,14 +326,14 @@ local function promised_before(key, p)
   local promised, holding, offset = 0, 0, 0
   local skip = #line + 15 + 2 -- the line, the sequence number and ':'
   repeat
-    local members = redis.call('ZRANGEBYLEX', KEYS[7], '[' .. line, last, 'LIMIT', offset,
+    local members = redis.call('ZRANGEBYLEX', PROMISE_LINES, '[' .. line, last, 'LIMIT', offset,
       WALK_BATCH)
     if #members > 0 then
       local keys = {}
       for i, member in ipairs(members) do
         keys[i] = string.sub(member, skip)
       end
-      for _, value in ipairs(redis.call('HMGET', KEYS[6], unpack(keys))) do
+      for _, value in ipairs(redis.call('HMGET', PROMISES, unpack(keys))) do
         if value then
           local other = parse_promise(value)
           promised = promised + other.blocks
@@ -338,7 +353,7 @@ local function freed_among(ids, ends, over, freed, now)
   if #ids == 0 then
     return nil, freed
   end
-  for i, value in ipairs(redis.call('HMGET', KEYS[1], unpack(ids))) do
+  for i, value in ipairs(redis.call('HMGET', LEASES, unpack(ids))) do
     if value then
       freed = freed + parse(value)
       if freed >= over then
@@ -361,7 +376,7 @@ local function pool_freed_by(over, now)
   end
   local freed, offset = 0, 0
   repeat
-    local flat = redis.call('ZRANGEBYSCORE', KEYS[16], '-inf', '+inf', 'WITHSCORES', 'LIMIT',
+    local flat = redis.call('ZRANGEBYSCORE', ENDS, '-inf', '+inf', 'WITHSCORES', 'LIMIT',
       offset, WALK_BATCH)
     local ids, ends = {}, {}
     for i = 1, #flat, 2 do
@@ -389,7 +404,7 @@ local function tenant_freed_by(tenant, over, now)
   local skip = #line + 15 + 2
   local freed, offset = 0, 0
   repeat
-    local members = redis.call('ZRANGEBYLEX', KEYS[17], '[' .. line, '[' .. line .. '\255',
+    local members = redis.call('ZRANGEBYLEX', TENANT_ENDS, '[' .. line, '[' .. line .. '\255',
       'LIMIT', offset, WALK_BATCH)
     local ids, ends = {}, {}
     for i, member in ipairs(members) do
@@ -411,18 +426,19 @@ end
 -- the blocks that the ended ones held.
 local function reclaim_promises(now)
   local freed_blocks = 0
-  local ended = redis.call('ZRANGEBYSCORE', KEYS[9], '-inf', now, 'LIMIT', 0, RECLAIM_BATCH)
+  local ended = redis.call('ZRANGEBYSCORE', PROMISE_EXPIRIES, '-inf', now, 'LIMIT', 0,
+    RECLAIM_BATCH)
   for _, key in ipairs(ended) do
     local p = held_promise(key)
     if p and not p.returned then
       local budget = math.floor(budget_of(p.tenant) / 2)
-      redis.call('HSET', KEYS[15], p.tenant, budget)
+      redis.call('HSET', BUDGETS, p.tenant, budget)
       if budget == 0 then
-        redis.call('HSET', KEYS[14], p.tenant, p.expiry)
+        redis.call('HSET', UNRETURNED, p.tenant, p.expiry)
       end
     end
     freed_blocks = freed_blocks + unpromise(key)
-    redis.call('ZREM', KEYS[9], key) -- as for leases
+    redis.call('ZREM', PROMISE_EXPIRIES, key) -- as for leases
   end
   return freed_blocks
 end
@@ -431,10 +447,10 @@ end
 -- promises (reclaim_promises); the blocks they free are published (publish_freed).
 local function reclaim(now)
   local freed_blocks = 0
-  local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, RECLAIM_BATCH)
+  local expired = redis.call('ZRANGEBYSCORE', EXPIRIES, '-inf', now, 'LIMIT', 0, RECLAIM_BATCH)
   for _, lease_id in ipairs(expired) do
     freed_blocks = freed_blocks + drop(lease_id)
-    redis.call('ZREM', KEYS[2], lease_id) -- an expiry without a lease (never left, but be sure)
+    redis.call('ZREM', EXPIRIES, lease_id) -- an expiry without a lease (never left, but be sure)
   end
   publish_freed(freed_blocks + reclaim_promises(now))
 end
@@ -443,7 +459,7 @@ end
 -- release (0 when one is due already, -1 when none is).
 local function next_change(now)
   local due = nil
-  for _, key in ipairs({KEYS[2], KEYS[9]}) do
+  for _, key in ipairs({EXPIRIES, PROMISE_EXPIRIES}) do
     local first = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
     if first[2] then
       local at = tonumber(first[2])
@@ -455,11 +471,11 @@ end
 
 -- This pool's epoch, created from Redis TIME (µs) and a random part when absent.
 local function epoch()
-  local value = redis.call('GET', KEYS[5])
+  local value = redis.call('GET', EPOCH)
   if not value then
     local t = redis.call('TIME')
     value = t[1] .. '.' .. t[2] .. '.' .. tostring(math.random(1, 1000000000))
-    redis.call('SET', KEYS[5], value)
+    redis.call('SET', EPOCH, value)
   end
   return value
 end

@@ -24,9 +24,9 @@ for i = 2, #ARGV, 4 do
   if ARGV[i + 3] ~= '' then
     ends_at = now + non_negative_int(ARGV[i + 3], 'expected end (ms)')
   end
-  local value = redis.call('HGET', KEYS[1], lease_id)
+  local value = redis.call('HGET', LEASES, lease_id)
   if value then
-    redis.call('ZADD', KEYS[2], 'XX', now + lease_ms, lease_id)
+    redis.call('ZADD', EXPIRIES, 'XX', now + lease_ms, lease_id)
     local counted, held_by = parse(value)
     if blocks > counted then
       grow(lease_id, held_by, blocks - counted, blocks)

@@ -10,8 +10,8 @@ local now = now_ms()
 reclaim(now)
 local renewed = {}
 for i = 2, #ARGV do
-  if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 1 then
-    redis.call('ZADD', KEYS[2], 'XX', now + lease_ms, ARGV[i])
+  if redis.call('HEXISTS', LEASES, ARGV[i]) == 1 then
+    redis.call('ZADD', EXPIRIES, 'XX', now + lease_ms, ARGV[i])
     renewed[#renewed + 1] = 1
   else
     renewed[#renewed + 1] = 0

@@ -10,22 +10,31 @@
 --   lease is expected to end ('' or absent: at its expiry); the terms, absent or '' when the
 --   claim has none: ARGV[9] max wait (ms), ARGV[10] jitter (ms), ARGV[11] grace (ms).
 -- Returns {outcome, pool reserved, tenant reserved, epoch, wait, retry after, promised,
---   changes in, waiting, held}: outcome 0 admitted, 1 tenant quota, 2 pool watermark; reserved
---   amounts in blocks after this step (promised blocks not included); epoch '' when an
---   impossible claim was refused without reading it; wait: ms until a refused claim with terms
---   is expected to fit, counting its tenant's promises before it (-1: the leases' expected
---   ends cannot free enough, or it never will; 0 without terms, when admitted, or back at its
---   promise's time); retry after: ms until the client should retry (-1: not within max wait,
---   or no terms); promised: 1 when the claim is promised that slot, 0 when the time is only
---   told; changes in: for a refused claim, ms until a lease or a promise expires by itself
---   (-1: nothing is due, or admitted); waiting: for a claim back at its promise's time and
---   refused (its blocks now held for it), ms they stay held, else 0; held: the blocks held for
---   its tenant's retries that this claim counted (0 for a retried call or an impossible
---   claim). A lease id that is already held is admitted again without being counted twice (a
---   retried call).
+--   changes in, waiting, held}, built by name in `answer` below and read by name in
+--   kvguard.ledger.scripts.ReserveAnswer: outcome 0 admitted, 1 tenant quota, 2 pool
+--   watermark; reserved amounts in blocks after this step (promised blocks not included);
+--   epoch '' when an impossible claim was refused without reading it; wait: ms until a refused
+--   claim with terms is expected to fit, counting its tenant's promises before it (-1: the
+--   leases' expected ends cannot free enough, or it never will; 0 without terms, when
+--   admitted, or back at its promise's time); retry after: ms until the client should retry
+--   (-1: not within max wait, or no terms); promised: 1 when the claim is promised that slot,
+--   0 when the time is only told; changes in: for a refused claim, ms until a lease or a
+--   promise expires by itself (-1: nothing is due, or admitted); waiting: for a claim back at
+--   its promise's time and refused (its blocks now held for it), ms they stay held, else 0;
+--   held: the blocks held for its tenant's retries that this claim counted (0 for a retried
+--   call or an impossible claim). A lease id that is already held is admitted again without
+--   being counted twice (a retried call).
 --#include lib.lua
 
 local NONE = -1
+
+-- The answer, its slots in the order above, from their names; a slot left out is as for an
+-- admitted claim: wait 0, retry after NONE, promised 0, changes in NONE, waiting 0, held 0.
+local function answer(a)
+  return {a.outcome, a.pool_reserved, a.tenant_reserved, a.epoch, a.wait or 0,
+    a.retry_after or NONE, a.promised or 0, a.changes_in or NONE, a.waiting or 0, a.held or 0}
+end
+
 local lease_id, tenant = ARGV[1], ARGV[2]
 local blocks = positive_int(ARGV[3], 'blocks')
 local limit, quota = tonumber(ARGV[4]), tonumber(ARGV[5])
@@ -49,14 +58,16 @@ local never = terms and NONE or 0
 if blocks > quota or blocks > limit then
   local outcome = blocks > quota and 1 or 2
   local changes = next_change(now_ms())
-  return {outcome, pool_reserved(), tenant_reserved(tenant), '', never, NONE, 0, changes, 0, 0}
+  return answer({outcome = outcome, pool_reserved = pool_reserved(),
+    tenant_reserved = tenant_reserved(tenant), epoch = '', wait = never, changes_in = changes})
 end
 
 local now = now_ms()
 reclaim(now)
 local current = epoch()
-if redis.call('HEXISTS', KEYS[1], lease_id) == 1 then
-  return {0, pool_reserved(), tenant_reserved(tenant), current, 0, NONE, 0, NONE, 0, 0}
+if redis.call('HEXISTS', LEASES, lease_id) == 1 then
+  return answer({outcome = 0, pool_reserved = pool_reserved(),
+    tenant_reserved = tenant_reserved(tenant), epoch = current})
 end
 local tenant_now = tenant_reserved(tenant)
 local pool_now = pool_reserved()
@@ -89,8 +100,9 @@ if outcome ~= 0 then
   -- is now.
   local function refused(wait, retry_after, promised_to, waiting)
     local changes = next_change(now)
-    return {outcome, pool_now, tenant_now, current, wait, retry_after, promised_to, changes,
-      waiting, held}
+    return answer({outcome = outcome, pool_reserved = pool_now, tenant_reserved = tenant_now,
+      epoch = current, wait = wait, retry_after = retry_after, promised = promised_to,
+      changes_in = changes, waiting = waiting, held = held})
   end
   if own and own.retry_at <= now then
     -- Back at its time, its blocks not free yet: they are held for it (against its tenant's
@@ -128,4 +140,5 @@ if own then
 end
 local expiry = now + lease_ms
 record(lease_id, tenant, blocks, expiry, ends_in and now + ends_in or expiry)
-return {0, pool_now + blocks, tenant_now + blocks, current, 0, NONE, 0, NONE, 0, held}
+return answer({outcome = 0, pool_reserved = pool_now + blocks,
+  tenant_reserved = tenant_now + blocks, epoch = current, held = held})

@@ -10,9 +10,9 @@
 reclaim(now_ms())
 return {
   pool_reserved(),
-  redis.call('HLEN', KEYS[1]),
-  redis.call('HGETALL', KEYS[3]),
+  redis.call('HLEN', LEASES),
+  redis.call('HGETALL', TENANTS),
   pool_promised(),
-  redis.call('HLEN', KEYS[6]),
+  redis.call('HLEN', PROMISES),
   pool_holding(),
 }
