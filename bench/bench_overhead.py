@@ -34,14 +34,14 @@ host's speed, the seconds `sum(range(10**8))` takes):
    refuses a key repeated in any object, against plain json.loads, on the same bodies, in µs.
    `--parse-only` measures only this;
 8. streamed answers, through a second pair of Envoys from the same file (bare and guarded) in
-   front of kvguard.testing.upstream.StreamingUpstream: one SSE event (a chat.completion.chunk)
-   per token, `--token-gap-ms` apart (5), `--stream-tokens` per answer (200), to 1k-token
-   prompts at fixed rates (open loop, bench/sse_load.py timing each event as it is read): time
-   to first token and the gaps between tokens, bare and guarded, and kvguard's CPU per stream
-   against the same requests not streamed. Whatever envoy/envoy.yaml and kvguard's defaults turn
-   on for responses is measured; `--response-sample SHARE` sets the share of responses kvguard
-   reads (server.response_sample; 1.0: every one, the worst case). `--streaming-only` measures
-   only this and writes bench-results/overhead-streaming.json.
+   front of kvguard.testing.streaming_upstream.StreamingUpstream: one SSE event (a
+   chat.completion.chunk) per token, `--token-gap-ms` apart (5), `--stream-tokens` per answer
+   (200), to 1k-token prompts at fixed rates (open loop, bench/sse_load.py timing each event
+   as it is read): time to first token and the gaps between tokens, bare and guarded, and
+   kvguard's CPU per stream against the same requests not streamed. Whatever envoy/envoy.yaml
+   and kvguard's defaults turn on for responses is measured; `--response-sample SHARE` sets the
+   share of responses kvguard reads (server.response_sample; 1.0: every one, the worst case).
+   `--streaming-only` measures only this and writes bench-results/overhead-streaming.json.
 
 kvguard runs as a default install does: Prometheus metrics on, a JSON log line per decision
 (written to a file). Each point records how busy kvguard's CPU and the others were.
@@ -101,7 +101,7 @@ from kvguard.testing.envoy import (  # noqa: E402
     without_http_filter,
 )
 from kvguard.testing.redis import RedisServer  # noqa: E402
-from kvguard.testing.upstream import StreamingUpstream  # noqa: E402
+from kvguard.testing.streaming_upstream import StreamingUpstream  # noqa: E402
 from kvguard.tokens.request import load_json  # noqa: E402
 from kvguard.tokens.tokenizer import PoolTokenizer  # noqa: E402
 

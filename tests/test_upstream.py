@@ -1,6 +1,7 @@
-"""The streaming upstream (kvguard.testing.upstream.StreamingUpstream) and the benchmark's client
-that times its events (bench/sse_load.py): the streamed-answer figures of bench_overhead rest on
-one well-formed event per token, sent as it is made, and read as it arrives."""
+"""The streaming upstream (kvguard.testing.streaming_upstream.StreamingUpstream) and the
+benchmark's client that times its events (bench/sse_load.py): the streamed-answer figures of
+bench_overhead rest on one well-formed event per token, sent as it is made, and read as it
+arrives."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import aiohttp
 import pytest
 
 from bench.sse_load import sse_client, stream_loop
-from kvguard.testing.upstream import TOKEN_TEXT, StreamingUpstream
+from kvguard.testing.streaming_upstream import StreamingUpstream
+from kvguard.testing.upstream import TOKEN_TEXT
 
 GAP_S = 0.05  # between tokens: each stream of TOKENS lasts (TOKENS - 1) * GAP_S
 TOKENS = 5

@@ -4,7 +4,7 @@ supervisor before any gRPC object, thread or tokenizer exists (none of them surv
 The supervisor forwards SIGTERM/SIGINT to every worker, restarts a worker that dies on its own
 (unless they keep dying), and exits 0 only when every worker drained and exited 0. With
 metrics_listen set it serves the pod's one Prometheus endpoint there, the merge of its workers'
-(kvguard.ops.worker_metrics). It does all of it on one thread, from one select loop: deaths
+(kvguard.ops.pod_endpoint). It does all of it on one thread, from one select loop: deaths
 (SIGCHLD, through a wakeup pipe), the workers' port announcements and the scrapes. It holds no
 thread when it forks again.
 
@@ -27,7 +27,7 @@ from types import FrameType
 from typing import NoReturn
 
 from kvguard.ops import logs, worker_metrics
-from kvguard.ops.worker_metrics import PodEndpoint
+from kvguard.ops.pod_endpoint import PodEndpoint
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Real-process helpers for the tests and the benchmarks: Envoy, redis-server, vLLM, a
-recording upstream. Test support, left out of the wheel."""
+recording upstream and a streaming one. Test support, left out of the wheel."""
 
 from __future__ import annotations
 

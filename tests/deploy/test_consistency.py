@@ -38,24 +38,19 @@ from tests.deploy.manifests import (
     pod_spec,
     validate,
 )
+from tests.deploy.workloads import (
+    SIDECAR_HOSTS,
+    all_containers,
+    kvguard_config,
+    pod_spec_labels,
+    upstream_port,
+    upstream_service,
+    workloads,
+)
 
-# Where kvguard is injected, in each kustomization.
-SIDECAR_HOSTS = {
-    "base": ("Deployment", "kvguard-gateway"),
-    "overlays/sample-vllm": ("Deployment", "kvguard-gateway"),
-    "overlays/existing-vllm": ("Deployment", "kvguard-gateway"),
-    "overlays/external-redis": ("Deployment", "kvguard-gateway"),
-    "overlays/istio-gateway": ("Deployment", "kvguard-ingressgateway"),
-    "overlays/istio-sidecar": ("StatefulSet", "vllm-qwen"),
-}
 ISTIO = ("overlays/istio-gateway", "overlays/istio-sidecar")
 # The kustomizations whose gateway is the base's plain Envoy (k8s/base/gateway).
 PLAIN_GATEWAYS = tuple(name for name in KUSTOMIZATIONS if name not in ISTIO)
-
-
-def kvguard_config(resources: tuple[Resource, ...]) -> configs.Config:
-    text = find(resources, "ConfigMap", "kvguard-config")["data"]["kvguard.yaml"]
-    return configs.parse(text, "kvguard-config/kvguard.yaml", environ={})
 
 
 def envoy_configs(resources: tuple[Resource, ...]) -> list[dict[str, Any]]:
@@ -406,19 +401,6 @@ def test_vllm_is_configured_as_the_design_says() -> None:
     assert mesh["spec"]["selector"].items() <= pod_spec_labels(statefulset).items()
 
 
-def upstream_service(resources: tuple[Resource, ...]) -> Resource:
-    """The Service that Envoy's `vllm` cluster and the pool's capacity.service both name."""
-    (pool,) = kvguard_config(resources).pools
-    assert pool.capacity.service is not None
-    return find(resources, "Service", pool.capacity.service.rsplit(":", 1)[0])
-
-
-def upstream_port(resources: tuple[Resource, ...]) -> int:
-    (pool,) = kvguard_config(resources).pools
-    assert pool.capacity.service is not None
-    return int(pool.capacity.service.rsplit(":", 1)[1])
-
-
 @pytest.mark.parametrize("name", PLAIN_GATEWAYS)
 def test_gateway_routes_to_and_meters_the_same_pods(name: str) -> None:
     """Envoy's `vllm` cluster and kvguard's capacity discovery name one headless Service, so
@@ -540,16 +522,6 @@ def test_existing_vllm_takes_an_external_redis(tmp_path: Path) -> None:
         validate(resource)
 
 
-def workloads(resources: tuple[Resource, ...]) -> list[Resource]:
-    return of_kind(resources, "Deployment") + of_kind(resources, "StatefulSet")
-
-
-def all_containers(workload: Resource) -> list[dict[str, Any]]:
-    spec = pod_spec(workload)
-    containers: list[dict[str, Any]] = spec.get("initContainers", []) + spec["containers"]
-    return containers
-
-
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
 def test_every_mount_and_claim_exists(name: str) -> None:
     resources = build(name)
@@ -651,11 +623,6 @@ def test_gateway_service_targets_the_gateway_listener() -> None:
     policy = find(resources, "NetworkPolicy", "kvguard-gateway")
     allowed = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
     assert ports["http"] in allowed and 50051 not in allowed
-
-
-def pod_spec_labels(workload: Resource) -> dict[str, str]:
-    labels: dict[str, str] = workload["spec"]["template"]["metadata"]["labels"]
-    return labels
 
 
 def test_shipped_policy_builds_with_a_real_tokenizer() -> None:

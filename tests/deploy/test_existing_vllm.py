@@ -25,7 +25,7 @@ from tests.deploy.envoy_files import (
     uncommented,
 )
 from tests.deploy.manifests import K8S, ROOT, Resource, build, container, find, validate
-from tests.deploy.test_consistency import (
+from tests.deploy.workloads import (
     all_containers,
     kvguard_config,
     upstream_service,

@@ -39,7 +39,7 @@ from tests.deploy.envoy_files import (
     with_files,
 )
 from tests.deploy.manifests import KUSTOMIZATIONS, OBSERVE_FILTER, container, find
-from tests.deploy.test_consistency import kvguard_config as shipped_policy
+from tests.deploy.workloads import kvguard_config as shipped_policy
 
 pytestmark = pytest.mark.integration  # runs the real Envoy binary
 

@@ -14,7 +14,7 @@ import yaml
 
 from tests.deploy.envoy_files import edited_build
 from tests.deploy.manifests import K8S, KUSTOMIZATIONS, Resource, build, find, kustomize, of_kind
-from tests.deploy.test_consistency import (
+from tests.deploy.workloads import (
     SIDECAR_HOSTS,
     pod_spec_labels,
     upstream_port,

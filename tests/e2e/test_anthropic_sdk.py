@@ -11,7 +11,7 @@ import anthropic
 import openai
 import pytest
 
-from tests.e2e.test_openai_sdk import (
+from tests.e2e.sdk import (
     MAX_BODY_BYTES,
     MAX_MODEL_LEN,
     Call,

@@ -4,55 +4,27 @@ the SDK raises for OpenAI's own answer of that status, with kvguard's `code` and
 
 from __future__ import annotations
 
-import socket
-import uuid
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
-from kvguard.ledger import Claim
 from kvguard.testing.redis import RedisServer
+from tests.e2e.sdk import (
+    MAX_BODY_BYTES,
+    MAX_MODEL_LEN,
+    Call,
+    after,
+    client,
+    hold,
+    with_a_pool_of_unknown_capacity,
+)
 from tests.gateway import Gateway, gateway
 
 pytestmark = pytest.mark.integration
 
 MESSAGES = [{"role": "user", "content": "Say hello in French."}]
-MAX_MODEL_LEN = 256
-MAX_BODY_BYTES = 4000
-
-
-def refused_port() -> int:
-    """A loopback port nothing listens on (bound, then released)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
-
-
-def client(gw: Gateway, tenant: str | None = "acme") -> openai.AsyncOpenAI:
-    headers = {"x-tenant-id": tenant} if tenant else {}
-    return openai.AsyncOpenAI(
-        base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, default_headers=headers
-    )
-
-
-async def hold(gw: Gateway, tenant: str, blocks: int) -> None:
-    """Reserve `blocks` of pool qwen for `tenant` directly in the ledger, as a request in
-    flight would, expected to end in 10 s (whatever a case before promised a retry)."""
-    claim = Claim(uuid.uuid4().hex, "qwen", tenant, blocks, 10**6, 10**6, 60, ends_in_s=10.0)
-    assert (await gw.service.ledger.reserve(claim)).lease is not None
-
-
-def with_a_pool_of_unknown_capacity(data: dict[str, Any]) -> None:
-    ghost = {**data["pools"][0], "name": "ghost", "models": ["ghost"]}
-    ghost["capacity"] = {"endpoints": [f"http://127.0.0.1:{refused_port()}"]}
-    data["pools"].append(ghost)
-
-
-Call = Callable[[Gateway], Awaitable[Any]]
 
 
 def chat(tenant: str | None = "acme", **fields: Any) -> Call:
@@ -69,14 +41,6 @@ async def embed(gw: Gateway) -> Any:
     """An endpoint the gateway does not serve (nothing meters it)."""
     async with client(gw) as sdk:
         return await sdk.embeddings.create(model="qwen", input="hello")
-
-
-def after(setup: Callable[[Gateway], Awaitable[None]], call: Call) -> Call:
-    async def both(gw: Gateway) -> Any:
-        await setup(gw)
-        return await call(gw)
-
-    return both
 
 
 # code -> (how to provoke it, the SDK's class, status, type)

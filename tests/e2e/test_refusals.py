@@ -21,7 +21,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from kvguard.admission.promises import JITTER_S, RETRY_TOKEN_HEADER
 from kvguard.ledger import PROMISE_BUDGET, Claim, Lease
 from kvguard.testing.wait import wait_until
-from tests.e2e.test_openai_sdk import with_a_pool_of_unknown_capacity
+from tests.e2e.sdk import with_a_pool_of_unknown_capacity
 from tests.gateway import Gateway, gateway
 
 pytestmark = pytest.mark.integration

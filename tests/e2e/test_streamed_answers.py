@@ -17,7 +17,7 @@ from bench.bench_overhead import without_ext_proc
 from kvguard import config as configs
 from kvguard.app import Service
 from kvguard.testing.envoy import EnvoyProcess, loopback_config
-from kvguard.testing.upstream import StreamingUpstream
+from kvguard.testing.streaming_upstream import StreamingUpstream
 from tests.conftest import kvguard_config, write_config
 
 pytestmark = pytest.mark.integration

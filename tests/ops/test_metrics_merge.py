@@ -18,10 +18,10 @@ from prometheus_client import CollectorRegistry, generate_latest, start_http_ser
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvguard.ops import worker_metrics
+from kvguard.ops import pod_endpoint
 from kvguard.ops.metrics import MERGE_RULES, Metrics
 from kvguard.ops.metrics_merge import PodMetrics, exposed_name
-from kvguard.ops.worker_metrics import PodEndpoint, read_expositions
+from kvguard.ops.pod_endpoint import PodEndpoint, read_expositions
 from kvguard.testing import free_port
 from tests.ops.test_worker_metrics import serve_the_scrape
 
@@ -323,12 +323,12 @@ def test_the_workers_are_read_between_scrapes_too() -> None:
     endpoint = PodEndpoint("127.0.0.1:0", read=read, clock=lambda: now[0])
     try:
         endpoint.serving(0, 1234)
-        assert endpoint.seconds_to_read() == worker_metrics.READ_EVERY_S
-        now[0] += worker_metrics.READ_EVERY_S
+        assert endpoint.seconds_to_read() == pod_endpoint.READ_EVERY_S
+        now[0] += pod_endpoint.READ_EVERY_S
         assert endpoint.seconds_to_read() == 0
         endpoint.read_workers()
         assert reads == [{0: 1234}]
-        assert endpoint.seconds_to_read() == worker_metrics.READ_EVERY_S
+        assert endpoint.seconds_to_read() == pod_endpoint.READ_EVERY_S
         endpoint.died(0)  # what it had counted when last read stays
         assert samples(endpoint.pod.collect())[ADMITTED] == 1
     finally:

@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 
-from kvguard.ops.worker_metrics import PodEndpoint, read_expositions
+from kvguard.ops.pod_endpoint import PodEndpoint, read_expositions
 
 BODY = b'# TYPE kvguard_admissions_total counter\nkvguard_admissions_total{pool="a"} 123456\n'
 ANSWER = b"HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n"

@@ -36,7 +36,7 @@ from kvguard.tokens.counting import (
 from kvguard.tokens.request import parse
 from kvguard.tokens.tokenizer import PoolTokenizer
 from tests.conftest import model_dir
-from tests.tokens import test_tokenizer as handwritten
+from tests.tokens import chat_cases as handwritten
 
 transformers = pytest.importorskip("transformers")
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from kvguard.tokens.prefix_bound import PrefixBound, settled_tokens
 from kvguard.tokens.segments import SegmentCounter
-from tests.tokens.test_segment_counts import ADDED, FRAGMENTS, TOKENIZERS
+from tests.tokens.fragments import ADDED, FRAGMENTS, TOKENIZERS
 
 MORE = ["don't", "   x", "\u0301", "a\u0301\u0316", " 12", "1,234", "\u3000", "서울", "ﾄｰｸﾝ"]
 # Runs as long as the longest tokens (128 spaces are one token in both), and runs of marks

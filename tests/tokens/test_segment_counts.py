@@ -17,47 +17,7 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
 from kvguard.tokens.segments import SegmentCounter
-from tests.conftest import model_dir
-
-FRAGMENTS = [
-    "hello",
-    " world",
-    "The",
-    "'s",
-    "'ll",
-    " ",
-    "  ",
-    "\n",
-    "\n\n",
-    "\r\n",
-    "\t",
-    "é",
-    "e\u0301",  # e + combining acute: NFC composes it (Qwen's normalizer)
-    "ﬁ",
-    "Å",
-    "日本語",
-    "🙂",
-    "12345",
-    "3.14",
-    "<",
-    "|",
-    ">",
-    "<|",
-    "|>",
-    "<|im_",
-    "_start|>",
-    "<|eot",
-    "user\n",
-    "assistant\n",
-]
-TOKENIZERS = {
-    name: Tokenizer.from_file(str(model_dir(name) / "tokenizer.json"))
-    for name in ("qwen", "llama3.2")
-}
-ADDED = {
-    name: sorted(t.content for t in tok.get_added_tokens_decoder().values())
-    for name, tok in TOKENIZERS.items()
-}
+from tests.tokens.fragments import ADDED, FRAGMENTS, TOKENIZERS
 
 
 def texts(name: str) -> st.SearchStrategy[str]:
