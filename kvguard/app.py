@@ -18,7 +18,6 @@ from kvguard.admission.capacity import Capacities
 from kvguard.admission.leases import LeaseKeeper
 from kvguard.admission.outputs import OutputLengths
 from kvguard.admission.queue import AdmissionQueue
-from kvguard.admission.record import Completion
 from kvguard.config.reload import PolicyWatcher
 from kvguard.config.schema import Config
 from kvguard.extproc.server import GrpcServer
@@ -157,7 +156,9 @@ class Service:
             self.keeper,
             self.telemetry,
             sample=response_sample,
-            on_completion=self._learn,
+            on_completion=lambda done: self.calibration.learn(
+                self.policy.pool_config(done.pool), done, time.monotonic()
+            ),
         )
         admin = AdminService(
             lambda: self.policy, self.ledger, self.capacities, self.keeper, self.queue.notify
@@ -261,16 +262,6 @@ class Service:
         log.info("draining: not ready, open streams get %ss", self.config.server.drain_seconds)
         await self.stop(self.config.server.drain_seconds)
         log.info("kvguard stopped")
-
-    def _learn(self, completion: Completion) -> None:
-        """Learn what a released lease's request produced, per sequence, where it is known."""
-        pool = self.policy.pools.get(completion.pool)
-        if completion.completion_tokens is None or pool is None:
-            return
-        tokens = -(-completion.completion_tokens // max(1, completion.sequences))
-        self.calibration.observe(
-            pool.config, completion.tier, completion.tenant, tokens, time.monotonic()
-        )
 
     async def _refresh_view(self) -> None:
         """Keep the gauges' view of the ledger and capacities current (the ledger is shared)."""

@@ -82,6 +82,10 @@ _ANTHROPIC_TYPE = {
     503: "overloaded_error",  # kvguard's 503s say when to retry, as Anthropic's 529 does
 }
 
+# Seconds a refusal asks the client to wait when nothing is promised: the 503s (the capacity or
+# the ledger is unknown, kvguard is busy counting) and 429s in pools that make no promises.
+RETRY_AFTER_S = 1
+
 
 @dataclass
 class Refusal(Exception):

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from kvguard.admission import decide
 from kvguard.admission.calibration import Calibration, Growth
 from kvguard.admission.capacity import Capacities
-from kvguard.admission.decide import RETRY_AFTER_S, SHADOWABLE
 from kvguard.admission.policy import Identity, Policy
 from kvguard.admission.promises import retry_key, terms
 from kvguard.admission.queue import AdmissionQueue, QueueFull
@@ -30,8 +29,6 @@ from kvguard.tokens.counting import PromptCounter
 from kvguard.tokens.request import Kind, parse
 
 __all__ = [
-    "RETRY_AFTER_S",
-    "SHADOWABLE",
     "Admission",
     "AdmissionSettings",
     "Admitted",

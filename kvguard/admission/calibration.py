@@ -1,12 +1,10 @@
 """What a request reserves for its output in `calibrated` mode, and how its lease grows.
 
 - `Calibration` learns what requests produce, per pool and tier and per tenant, from the
-  completions kvguard reads (docs/design.md, "The response path"), and falls back to the pool's
-  distribution that vLLM exports (`outputs.OutputLengths`). `estimate` gives the configured
-  quantile, or None (worst case) while too few samples exist.
-- `Overcommit` is the closed loop with the engine: how far each pool's reservations trust the
-  estimate (1: the estimate; 0: the worst case). Preemptions halve the trust at once; readings
-  without preemptions give it back slowly (additive increase, multiplicative decrease).
+  completions kvguard reads (`learn`, per sequence; docs/design.md, "The response path"), and
+  falls back to the pool's distribution that vLLM exports (`outputs.OutputLengths`).
+  `estimate` gives the configured quantile, or None (worst case) while too few samples exist,
+  with the trust that the engine's feedback (`engine.EngineFeedback`, held as `engine`) gives.
 - `Growth` follows a lease's request as it decodes: elapsed time times the pool's decode rate, or
   the tokens seen in its stream, up to its limit; and when it is expected to end, its limit less
   what it produced at that rate.
@@ -21,26 +19,18 @@ import bisect
 import math
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
-from kvguard.admission.estimate import blocks_needed
+from kvguard.admission.engine import EngineFeedback, Overcommit
 from kvguard.admission.outputs import OutputLengths
+from kvguard.admission.record import Completion
+from kvguard.admission.sizing import blocks_needed
 from kvguard.config.schema import Pool, Tier
 
 # Samples kept per pool and tier, and per tenant: the newest, within the window.
 MAX_SAMPLES = 2048
 # Every this many observations, windows left empty are forgotten.
 PRUNE_EVERY = 1024
-# The loop: the trust kept after a reading with new preemptions (or a KV cache as good as
-# full), and the trust each second without gives back (200 s from worst case to the estimate:
-# 0.05 a reading at discovery's default 10 s). A reading counts at most MAX_QUIET_S of quiet.
-BACKOFF = 0.5
-RELAX_PER_S = 0.005
-MAX_QUIET_S = 30.0
-# vLLM preempts when a running sequence needs a block and none is free; it counts the
-# preemption only when that sequence is scheduled again, tens of seconds later under load. A
-# KV cache this full is taken as the same sign, at once.
-PRESSURE_SHARE = 0.98
 # A decode rate (tokens per second per sequence) assumed until vLLM reports one: fast, so that
 # leases grow early rather than late (and a refusal is told to come back early, not late).
 DEFAULT_DECODE_RATE = 100.0
@@ -116,86 +106,29 @@ class Estimate:
         return min(limit, max(self.floor, math.ceil(blended)))
 
 
-@dataclass
-class Overcommit:
-    """Per pool, how far reservations trust the estimate: the loop with vLLM's preemptions."""
-
-    backoff: float = BACKOFF
-    relax_per_s: float = RELAX_PER_S
-    _trust: dict[str, float] = field(default_factory=dict)
-    _read_at: dict[str, float] = field(default_factory=dict)
-
-    def trust(self, pool: str) -> float:
-        return self._trust.get(pool, 1.0)
-
-    def read(
-        self, pool: str, preemptions: int, at: float, *, full: bool = False
-    ) -> float | None:  # fmt: skip
-        """One reading of the engine at `at`, with `preemptions` new since the last, and
-        whether its KV cache was as good as full: the new trust when it changed, else None."""
-        before = self.trust(pool)
-        quiet_s = min(MAX_QUIET_S, max(0.0, at - self._read_at.get(pool, at)))
-        self._read_at[pool] = at
-        if preemptions > 0 or full:
-            after = before * self.backoff
-            after = 0.0 if after < self.relax_per_s * 5 else after  # below 0.025: worst case
-        else:
-            after = min(1.0, before + self.relax_per_s * quiet_s)
-        if after == before:
-            return None
-        self._trust[pool] = after
-        return after
-
-    def retain(self, pools: set[str]) -> None:
-        for gone in [name for name in self._trust if name not in pools]:
-            del self._trust[gone]
-            self._read_at.pop(gone, None)
-
-
-class EngineView:
-    """Per pool, the blocks vLLM holds beyond what the ledger counts: its reading of blocks in
-    use less the blocks the ledger reserved then (never below 0). Traffic that does not pass
-    kvguard, or a request that outgrew its lease before growth counted it, shows here; a
-    calibrated admission must fit under the pool's limit less these. Both readings come in
-    from the caller (discovery and the ledger's view in `serve`, the engine model in the
-    simulator); per process."""
-
-    def __init__(self) -> None:
-        self._reserved: dict[str, int] = {}  # pool -> the ledger's blocks, as last read
-        self._unaccounted: dict[str, int] = {}
-
-    def reserved(self, pool: str, blocks: int) -> None:
-        """The ledger reserves `blocks` in `pool` now."""
-        self._reserved[pool] = blocks
-
-    def read(self, pool: str, used: int | None) -> None:
-        """vLLM reports `used` blocks in use in `pool` now (None: not known)."""
-        if used is None:
-            self._unaccounted.pop(pool, None)
-        else:
-            self._unaccounted[pool] = max(0, used - self._reserved.get(pool, 0))
-
-    def unaccounted(self, pool: str) -> int:
-        return self._unaccounted.get(pool, 0)
-
-    def retain(self, pools: set[str]) -> None:
-        for gone in [name for name in self._unaccounted if name not in pools]:
-            del self._unaccounted[gone]
-        for gone in [name for name in self._reserved if name not in pools]:
-            del self._reserved[gone]
-
-
 class Calibration:
     """Learnt output lengths per (pool, tier) and (pool, tier, tenant), and the estimate an
     admission reads. `outputs` holds the pool-wide distributions that vLLM exports."""
 
     def __init__(self, outputs: OutputLengths | None = None) -> None:
         self.outputs = outputs or OutputLengths()
-        self.overcommit = Overcommit()
-        self.engine = EngineView()
+        self.engine = EngineFeedback()  # the trust of the estimate, vLLM's unaccounted blocks
         # (pool, tier) and (pool, tier, tenant): their window
         self._windows: dict[tuple[str, ...], Window] = {}
         self._observed = 0
+
+    @property
+    def overcommit(self) -> Overcommit:
+        """The engine feedback's loop, whose trust the estimate carries."""
+        return self.engine.overcommit
+
+    def learn(self, pool: Pool | None, completion: Completion, at: float) -> None:
+        """Learn what a released lease's request produced, per sequence, where it is known
+        (`pool`: its pool in the policy of now; None when the policy no longer has it)."""
+        if completion.completion_tokens is None or pool is None:
+            return
+        tokens = -(-completion.completion_tokens // max(1, completion.sequences))
+        self.observe(pool, completion.tier, completion.tenant, tokens, at)
 
     def observe(self, pool: Pool, tier: str, tenant: str, tokens: int, at: float) -> None:
         """One completion of `tenant` (of `tier`) in `pool` produced `tokens` per sequence."""
@@ -232,7 +165,7 @@ class Calibration:
         tokens, source = self._learnt(pool, tier_name, tenant, at)
         if tokens is None:
             return None
-        trust = self.overcommit.trust(pool.name)
+        trust = self.engine.trust(pool.name)
         return Estimate(tokens, source, trust, settings.min_tokens)
 
     def _learnt(self, pool: Pool, tier: str, tenant: str, at: float) -> tuple[int | None, str]:

@@ -14,17 +14,12 @@ from dataclasses import dataclass, replace
 
 from kvguard.admission.calibration import Estimate, ends_in_s
 from kvguard.admission.capacity import PoolCapacity
-from kvguard.admission.estimate import Limits, blocks_needed, clamp
 from kvguard.admission.promises import RETRY_TOKEN_HEADER, RateLimit
+from kvguard.admission.sizing import Limits, blocks_needed, clamp
 from kvguard.config.schema import Pool, Tier
-from kvguard.errors import Code, Refusal
+from kvguard.errors import RETRY_AFTER_S, Code, Refusal
 from kvguard.ledger import Claim, Outcome, Reservation, Terms
 from kvguard.tokens.request import Kind
-
-# Seconds a refusal asks the client to wait when nothing is promised: the 503s (the capacity or
-# the ledger is unknown: there is nothing to promise from) and 429s in pools that make no
-# promises.
-RETRY_AFTER_S = 1
 
 # Refusals that shadow mode lets pass: capacity and availability, never malformed input.
 SHADOWABLE = frozenset(

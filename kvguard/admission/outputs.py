@@ -1,9 +1,9 @@
 """What requests really produce: per-pool output-length distributions, learnt from vLLM.
 
-Capacity discovery (ops/discovery.py) reads vLLM's own histograms at each endpoint's /metrics
-(`vllm:request_generation_tokens`, `vllm:request_params_max_tokens`) and feeds their deltas
-here; the decision reads quantiles. Pure data: no clock (times are arguments), no I/O, so that
-admission may read it and the simulator may feed it.
+Capacity discovery (ops/discovery.py) reads vLLM's own histogram at each endpoint's /metrics
+(`vllm:request_generation_tokens`) and feeds its deltas here; the decision reads quantiles.
+Pure data: no clock (times are arguments), no I/O, so that admission may read it and the
+simulator may feed it.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 # How far back a pool's distribution reaches, in seconds of scrape time.
@@ -116,17 +116,12 @@ class Observed:
 
     at: float  # seconds on the feeder's clock
     generated: Histogram  # output tokens per finished request
-    requested: Histogram | None  # the max_tokens those requests ran with
-
-
-_Part = Callable[[Observed], Histogram | None]
 
 
 @dataclass
 class _Pool:
     window: deque[Observed]
     generated: Histogram | None = None  # everything learnt since kvguard started
-    requested: Histogram | None = None
     in_window: Histogram | None = None  # the generated histogram over the window, once summed
 
 
@@ -147,8 +142,6 @@ class OutputLengths:
         window_s = self._window_s if window_s is None else window_s
         state.window.append(observed)
         state.generated = _sum(state.generated, observed.generated)
-        if observed.requested is not None:
-            state.requested = _sum(state.requested, observed.requested)
         while state.window and observed.at - state.window[0].at > window_s:
             state.window.popleft()
         state.in_window = None
@@ -168,12 +161,8 @@ class OutputLengths:
         if state is None:
             return None
         if state.in_window is None:
-            state.in_window = self._window_sum(pool, lambda o: o.generated)
+            state.in_window = _window_sum(state.window)
         return state.in_window
-
-    def requested(self, pool: str) -> Histogram | None:
-        """The max_tokens of the same requests over the window."""
-        return self._window_sum(pool, lambda o: o.requested)
 
     def lifetime(self, pool: str) -> Histogram | None:
         """Output tokens per request since kvguard started learning the pool."""
@@ -184,17 +173,13 @@ class OutputLengths:
         generated = self.generated(pool)
         return generated.quantile(q) if generated is not None else None
 
-    def _window_sum(self, pool: str, part: _Part) -> Histogram | None:
-        state = self._pools.get(pool)
-        if state is None:
-            return None
-        out: Histogram | None = None
-        for observed in state.window:
-            histogram = part(observed)
-            if histogram is None:
-                continue
-            out = _sum(out, histogram)
-        return out
+
+def _window_sum(window: Iterable[Observed]) -> Histogram | None:
+    """The generated histograms of the scrapes in `window`, summed."""
+    out: Histogram | None = None
+    for observed in window:
+        out = _sum(out, observed.generated)
+    return out
 
 
 def _sum(a: Histogram | None, b: Histogram) -> Histogram:

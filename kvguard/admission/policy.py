@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kvguard.admission.calibration import DEFAULT_DECODE_RATE, calibrated
 from kvguard.admission.capacity import PoolCapacity, pool_limit
-from kvguard.admission.estimate import blocks_needed, clamp
+from kvguard.admission.sizing import blocks_needed, clamp
 from kvguard.config.schema import Config, Pool, Tenancy, Tier
 from kvguard.errors import Code, Refusal
 from kvguard.tokens import messages_api
@@ -45,6 +45,11 @@ class Policy:
     shadow: bool
     pools: dict[str, PoolPolicy]  # by pool name
     by_model: dict[str, PoolPolicy]  # by request "model" value
+
+    def pool_config(self, name: str) -> Pool | None:
+        """The configuration of pool `name`; None when this policy has no such pool."""
+        pool = self.pools.get(name)
+        return pool.config if pool is not None else None
 
 
 def known(tenancy: Tenancy, tenant: str) -> Identity:

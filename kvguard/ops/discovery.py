@@ -9,23 +9,23 @@ nothing, and a pool with no endpoint left has unknown capacity (its requests get
 capacity_unknown; the other pools are untouched). Every change of state is logged once, each
 endpoint's URL with its credentials masked.
 
-The same scrape teaches what requests produce: the deltas of vLLM's own histograms
-`vllm:request_generation_tokens` and `vllm:request_params_max_tokens` between two readings
-(a counter that went down is a restarted server, whose counts start again), summed over a
-pool's endpoints, go to `admission.outputs.OutputLengths`; `vllm:kv_cache_usage_perc` gives
-the blocks vLLM holds. Both come from the text already parsed for the capacity.
+The same scrape teaches what requests produce: the deltas of vLLM's own histogram
+`vllm:request_generation_tokens` between two readings (a counter that went down is a restarted
+server, whose counts start again), summed over a pool's endpoints, go to
+`admission.outputs.OutputLengths`; `vllm:kv_cache_usage_perc` gives the blocks vLLM holds. Both
+come from the text already parsed for the capacity.
 
-It also drives calibrated reservations' loop with the engine (`admission.calibration`): each
-round that read an endpoint gives the pool's `Overcommit` the preemptions vLLM counted since the
-last (`vllm:num_preemptions_total`, its deltas summed over the pool's endpoints; a counter that
-went down is a restart, whose whole count is new). An endpoint's first reading is the baseline
-and counts no preemption: what happened before kvguard watched says nothing of its
-reservations. The same round gives the decode rate, in tokens per second per sequence: the
-intervals between a sequence's consecutive tokens that vLLM observed since the last round,
-divided by their seconds (`vllm:inter_token_latency_seconds`, or
-`vllm:time_per_output_token_seconds` on an older vLLM; a first reading counts what the server
-observed since it started; a round without any keeps the last rate). The requests waiting in
-vLLM's queues (`vllm:num_requests_waiting`) are summed as the blocks it holds are.
+It also feeds the engine's feedback (`admission.engine`, the loop of calibrated reservations):
+each round that read an endpoint gives it the blocks vLLM holds, the preemptions vLLM counted
+since the last round (`vllm:num_preemptions_total`, its deltas summed over the pool's
+endpoints; a counter that went down is a restart, whose whole count is new) and the intervals
+between a sequence's consecutive tokens that vLLM observed since
+(`vllm:inter_token_latency_seconds`, or `vllm:time_per_output_token_seconds` on an older vLLM),
+from which it keeps the decode rate.
+An endpoint's first reading is the baseline and counts no preemption: what happened before
+kvguard watched says nothing of its reservations; its intervals count what the server observed
+since it started. A change of the trust is logged. The requests waiting in vLLM's queues
+(`vllm:num_requests_waiting`) are summed as the blocks it holds are.
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from kvguard.admission.calibration import PRESSURE_SHARE, Calibration, calibrated
+from kvguard.admission.calibration import Calibration, calibrated
 from kvguard.admission.capacity import Capacities, PoolCapacity
+from kvguard.admission.engine import EngineFeedback
 from kvguard.admission.outputs import Observed, OutputLengths
 from kvguard.admission.policy import Policy
 from kvguard.config.redact import redact
@@ -83,8 +84,6 @@ class _Pool:
     error: str | None = None  # why the capacity is unknown, while it is
     used: int | None = None  # blocks vLLM reports in use, summed over the endpoints
     waiting: int | None = None  # requests waiting in vLLM's queues, summed likewise
-    preemptions: int | None = None  # counted since kvguard started, once an endpoint reports
-    decode_rate: float | None = None  # tokens per second per sequence, as last observed
 
 
 class Discovery:
@@ -95,8 +94,10 @@ class Discovery:
     (Service.publish); a reading that was in flight across a reload is published only if the
     pool still discovers from the same endpoints, so it never overwrites them.
 
-    With a `calibration`, the output lengths learnt go to its `outputs` and each round's
-    preemptions to its `overcommit`; with `outputs` alone, the output lengths only.
+    With a `calibration`, the output lengths learnt go to its `outputs` and each round's engine
+    signals to its `engine` feedback; with `outputs` alone, the output lengths only. Without a
+    calibration, the signals go to a feedback of discovery's own (for the decode rate and the
+    preemptions; its trust is read by no one).
     """
 
     def __init__(
@@ -116,6 +117,7 @@ class Discovery:
         self._capacities = capacities
         self._calibration = calibration
         self._outputs = calibration.outputs if calibration is not None else outputs
+        self._engine = calibration.engine if calibration is not None else EngineFeedback()
         self._clock = clock
         self._resolve = resolver  # a Service's name to its pods' addresses
         # A pool was read: its capacity, vLLM's unaccounted blocks or the trust of its estimate
@@ -152,20 +154,20 @@ class Discovery:
     def preemptions_total(self) -> dict[str, int]:
         """Discovered pools -> the preemptions their vLLM servers counted since kvguard started
         reading them (each endpoint's first reading is its baseline)."""
-        return {name: s.preemptions for name, s in self._pools.items() if s.preemptions is not None}
+        totals = {name: self._engine.preemptions(name) for name in self._pools}
+        return {name: total for name, total in totals.items() if total is not None}
 
     def decode_rate(self, pool: str) -> float | None:
         """The pool's decode rate in tokens per second per sequence, as last observed; None
         until its servers observed an interval between two tokens."""
-        state = self._pools.get(pool)
-        return state.decode_rate if state is not None else None
+        return self._engine.decode_rate(pool) if pool in self._pools else None
 
     def trust(self) -> dict[str, float]:
         """Discovered pools -> how far their calibrated reservations trust the estimate (1: the
         estimate; 0: the worst case); empty without a calibration."""
         if self._calibration is None:
             return {}
-        return {name: self._calibration.overcommit.trust(name) for name in self._pools}
+        return {name: self._engine.trust(name) for name in self._pools}
 
     def _discovered(self) -> dict[str, Capacity]:
         """Pool name -> its capacity's settings, for the pools discovered now."""
@@ -184,9 +186,7 @@ class Discovery:
             del self._pools[gone]  # the policy dropped it or made it static
         if self._outputs is not None:
             self._outputs.retain(set(wanted))
-        if self._calibration is not None:
-            self._calibration.overcommit.retain(set(wanted))
-            self._calibration.engine.retain(set(wanted))
+        self._engine.retain(set(wanted))
         now = self._clock()
         rounds = []
         for name, capacity in wanted.items():
@@ -296,32 +296,28 @@ class Discovery:
         if generated is not None:
             pool = self._policy().pools.get(name)
             window_s = pool.config.reservation.window_seconds if pool is not None else None
-            requested = total(x.requested for x in learnt)
-            self._outputs.add(name, Observed(now, generated, requested), window_s)
+            self._outputs.add(name, Observed(now, generated), window_s)
 
     def _follow(self, name: str, state: _Pool, learnt: list[Learnt], now: float) -> None:
-        """The engine's signals of a round that read at least one endpoint: the preemptions
-        since the last round and a KV cache as good as full go to the loop, the intervals
-        between tokens give the rate."""
+        """The engine's signals of a round that read at least one endpoint, summed over the
+        pool's endpoints, to the engine's feedback: the blocks in use, the preemptions since
+        the last round and the intervals between tokens. A change of the trust is logged."""
         counted = [x.preemptions for x in learnt if x.preemptions is not None]
         preempted = sum(counted)
-        if counted:
-            state.preemptions = (state.preemptions or 0) + preempted
         intervals = [x.intervals for x in learnt if x.intervals is not None]
-        count = sum(i.count for i in intervals)
-        seconds = sum(i.seconds for i in intervals)
-        if count > 0 and seconds > 0:
-            state.decode_rate = count / seconds
-        if self._calibration is None:
-            return
-        self._calibration.engine.read(name, state.used)
-        overcommit = self._calibration.overcommit
-        before = overcommit.trust(name)
         capacity = state.capacity.blocks if state.capacity is not None else 0
-        full = capacity > 0 and state.used is not None and state.used >= PRESSURE_SHARE * capacity
-        after = overcommit.read(name, preempted, now, full=full)
-        if after is None:
+        moved = self._engine.read(
+            name,
+            now,
+            capacity_blocks=capacity,
+            used=state.used,
+            preempted=preempted if counted else None,
+            intervals=sum(i.count for i in intervals),
+            interval_s=sum(i.seconds for i in intervals),
+        )
+        if moved is None or self._calibration is None:
             return
+        before, after = moved.before, moved.after
         if not self._calibrated(name):
             # Nothing reserves by the estimate here: the trust is kept, quietly, for a reload.
             log.debug("pool %s: reservation trust %.3g (was %.3g)", name, after, before)
@@ -331,7 +327,7 @@ class Discovery:
                 "back towards worst case: trust %.3g (was %.3g)",
                 name,
                 preempted,
-                f", KV cache {state.used} of {capacity} blocks in use" if full else "",
+                f", KV cache {state.used} of {capacity} blocks in use" if moved.full else "",
                 after,
                 before,
             )

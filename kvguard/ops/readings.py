@@ -19,10 +19,9 @@ from kvguard.ops.vllm_metrics import EndpointReading, TokenIntervals
 class Endpoint:
     reading: EndpointReading | None = None
     read_at: float = 0.0
-    # The histograms as last read, for the next delta; kept while the endpoint fails, so that
+    # The histogram as last read, for the next delta; kept while the endpoint fails, so that
     # a recovered server's counts are not learnt twice.
     generated: Histogram | None = None
-    requested: Histogram | None = None
     preemptions: int | None = None
     intervals: TokenIntervals | None = None
     error: str | None = None  # the last failure, while failing
@@ -33,18 +32,16 @@ class Learnt:
     """What one endpoint's reading adds to the last: the deltas of its counters."""
 
     generated: Histogram | None
-    requested: Histogram | None
     preemptions: int | None  # None where it exports no preemption counter
     intervals: TokenIntervals | None
 
 
 def learn(endpoint: Endpoint, reading: EndpointReading) -> Learnt:
     """The endpoint's counters since its last reading, and remembers this reading for the next.
-    At the first, the histograms and intervals count all the server observed since it started,
+    At the first, the histogram and intervals count all the server observed since it started,
     the preemptions none (the baseline); after a restart (a counter went down), its new value.
     """
     generated = reading.generated.since(endpoint.generated) if reading.generated else None
-    requested = reading.requested.since(endpoint.requested) if reading.requested else None
     intervals = reading.intervals.since(endpoint.intervals) if reading.intervals else None
     preemptions = None
     if reading.preemptions is not None:
@@ -55,9 +52,9 @@ def learn(endpoint: Endpoint, reading: EndpointReading) -> Learnt:
             preemptions = reading.preemptions
         else:
             preemptions = reading.preemptions - last
-    endpoint.generated, endpoint.requested = reading.generated, reading.requested
+    endpoint.generated = reading.generated
     endpoint.preemptions, endpoint.intervals = reading.preemptions, reading.intervals
-    return Learnt(generated, requested, preemptions, intervals)
+    return Learnt(generated, preemptions, intervals)
 
 
 def total(histograms: Iterable[Histogram | None]) -> Histogram | None:

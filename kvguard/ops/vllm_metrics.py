@@ -1,5 +1,5 @@
 """vLLM's /metrics text, parsed into what kvguard reads: an endpoint's cache configuration, its
-output-length histograms, its KV-cache usage and its engine counters (`EndpointReading`).
+output-length histogram, its KV-cache usage and its engine counters (`EndpointReading`).
 
 vLLM publishes its cache configuration as the labels of one gauge sample,
 ``vllm:cache_config_info{block_size="128",num_gpu_blocks="64",...} 1.0`` (vLLM keeps one block
@@ -23,7 +23,6 @@ from kvguard.admission.outputs import Histogram
 
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
 GENERATION_TOKENS = "vllm:request_generation_tokens"  # histogram: output tokens per request
-PARAMS_MAX_TOKENS = "vllm:request_params_max_tokens"  # histogram: the max_tokens they ran with
 KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"  # gauge: the share of blocks in use, 0 to 1
 NUM_PREEMPTIONS = "vllm:num_preemptions"  # counter (vllm:num_preemptions_total)
 REQUESTS_WAITING = "vllm:num_requests_waiting"  # gauge: requests in vLLM's queue
@@ -34,7 +33,6 @@ TIME_PER_OUTPUT_TOKEN = "vllm:time_per_output_token_seconds"  # its name on an o
 READ_FAMILIES: dict[str, tuple[str, ...]] = {
     CACHE_CONFIG_INFO: ("",),
     GENERATION_TOKENS: ("_bucket", "_count", "_sum"),
-    PARAMS_MAX_TOKENS: ("_bucket", "_count", "_sum"),
     KV_CACHE_USAGE: ("",),
     NUM_PREEMPTIONS: ("_total", ""),
     REQUESTS_WAITING: ("",),
@@ -78,7 +76,6 @@ class EndpointReading:
 
     cache: EndpointCache
     generated: Histogram | None = None
-    requested: Histogram | None = None
     used_blocks: int | None = None  # blocks vLLM holds now, from its KV-cache usage
     preemptions: int | None = None  # preemptions since the server started
     waiting: int | None = None  # requests waiting in its queue now
@@ -132,10 +129,10 @@ def relevant(text: str) -> str:
 
 
 def reading(families: Iterable[Metric]) -> EndpointReading:
-    """The cache configuration, the output-length histograms, the KV-cache usage and the
+    """The cache configuration, the output-length histogram, the KV-cache usage and the
     engine's counters in one pass over parsed metric families."""
     samples: list[Sample] = []
-    histograms: dict[str, list[Sample]] = {GENERATION_TOKENS: [], PARAMS_MAX_TOKENS: []}
+    generated: list[Sample] = []
     latencies: dict[str, list[Sample]] = {INTER_TOKEN_LATENCY: [], TIME_PER_OUTPUT_TOKEN: []}
     usage: list[float] = []
     preemptions: list[float] = []
@@ -145,8 +142,8 @@ def reading(families: Iterable[Metric]) -> EndpointReading:
         for family in families:
             if family.name == CACHE_CONFIG_INFO:
                 samples.extend(s for s in family.samples if s.name == CACHE_CONFIG_INFO)
-            elif family.name in histograms:
-                histograms[family.name].extend(family.samples)
+            elif family.name == GENERATION_TOKENS:
+                generated.extend(family.samples)
             elif family.name == KV_CACHE_USAGE:
                 usage.extend(s.value for s in family.samples)
             elif family.name == NUM_PREEMPTIONS:
@@ -166,8 +163,7 @@ def reading(families: Iterable[Metric]) -> EndpointReading:
         intervals = _intervals(latencies[TIME_PER_OUTPUT_TOKEN], TIME_PER_OUTPUT_TOKEN)
     return EndpointReading(
         cache,
-        histogram(histograms[GENERATION_TOKENS], GENERATION_TOKENS),
-        histogram(histograms[PARAMS_MAX_TOKENS], PARAMS_MAX_TOKENS),
+        histogram(generated, GENERATION_TOKENS),
         used,
         round(sum(preemptions)) if preemptions else None,
         round(sum(waiting)) if waiting else None,

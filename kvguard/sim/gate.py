@@ -9,14 +9,16 @@ way `serve` does. The client sends the trace's `max_tokens` when it has one,
 and none otherwise. kvguard renews the lease of an open stream, so a lease here lasts as long as
 its request, however long it queues.
 
-In calibrated mode the gate learns as `serve` does: each `refresh_seconds` of simulated time it
-reads the engine as discovery reads vLLM's /metrics (the output lengths of the requests that
-finished, in vLLM's histogram buckets; new preemptions, for the loop; the decode rate), the
-`server.response_sample` share of requests teaches their tier and tenant what they produced,
-and the LeaseKeeper grows each lease every second as its request decodes. In every mode the
-decode rate is read each `refresh_seconds`, as discovery reads it: a claim's lease is expected
-to end when its limit is produced at that rate, and the LeaseKeeper moves its expected end as
-the rate does, which is what a refusal's time is told from.
+Each `refresh_seconds` of simulated time the gate reads the engine as discovery reads vLLM's
+/metrics, and gives the reading to the same engine feedback (`admission.engine`: the blocks in
+use and the ledger's, new preemptions, the intervals between tokens). In every mode its decode
+rate is read: a claim's lease is expected to end when its limit is produced at that rate, and
+the LeaseKeeper moves its expected end as the rate does, which is what a refusal's time is told
+from. In calibrated mode the gate also learns as `serve` does: the same reading gives the
+output lengths of the requests that finished, in vLLM's histogram buckets, its trust and its
+unaccounted blocks size the claims, the `server.response_sample` share of requests teaches
+their tier and tenant what they produced, and the LeaseKeeper grows each lease every second as
+its request decodes.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvguard.admission import decide
-from kvguard.admission.calibration import PRESSURE_SHARE, Calibration, Estimate, Growth
+from kvguard.admission.calibration import Calibration, Estimate, Growth
 from kvguard.admission.capacity import PoolCapacity
+from kvguard.admission.engine import EngineFeedback
 from kvguard.admission.leases import GROW_INTERVAL_S, Lease, LeaseKeeper
 from kvguard.admission.outputs import Histogram, Observed, OutputLengths, Sampler
 from kvguard.admission.policy import known
@@ -100,6 +103,9 @@ class PolicyGate:
         if calibrated:
             outputs = OutputLengths(self.pool.reservation.window_seconds)
             self.calibration = Calibration(outputs)
+        # What the engine's readings teach: the calibration's, else the gate's own (for the
+        # decode rate; its trust and unaccounted blocks are read only in calibrated mode).
+        self.feedback = self.calibration.engine if self.calibration else EngineFeedback()
         self._counted: dict[str, int] = {}  # lease id -> blocks the ledger counts (grown)
         # Promises, as serve makes them: seeded jitter.
         self._rng = random.Random(seed)
@@ -110,19 +116,17 @@ class PolicyGate:
         self.fitting_refused_block_s = 0.0
         self._fitting_refused: dict[str, tuple[float, int]] = {}
         self._sampler = Sampler(config.server.response_sample)
-        self._rate: float | None = None  # decode tokens/s per sequence, as last read
         self.keeper = LeaseKeeper(
             self.ledger,
             _FOREVER_S,
             clock=clock,
-            decode_rate=lambda _pool: self._rate,
+            decode_rate=self.feedback.decode_rate,
             trust=lambda _pool: self.trust,
         )
         self._bounds = generation_bounds(self.pool.max_model_len)
         self._finished: list[int] = [0] * (len(self._bounds) + 1)  # per bucket, +Inf last
         self._finished_sum = 0
         self._scraped: Histogram | None = None
-        self._preemptions = 0
         self._steps = self._busy_s = 0.0
         self._next_scrape = self.pool.capacity.refresh_seconds
         self._next_grow = GROW_INTERVAL_S
@@ -188,7 +192,7 @@ class PolicyGate:
                 unaccounted,
                 retry_key=key,
                 terms=promise,
-                decode_rate=self._rate,
+                decode_rate=self.feedback.decode_rate(self.pool.name),
             )
             queued_until = self._queued.pop(uid, None) if final else self._queued.get(uid)
             possible = claim.blocks <= claim.pool_limit and claim.blocks <= claim.tenant_quota
@@ -308,11 +312,7 @@ class PolicyGate:
         streams of the observed ones show)."""
         if now >= self._next_scrape:
             self._next_scrape = now + self.pool.capacity.refresh_seconds
-            if self._busy_s > 0:  # the decode rate, as vLLM's inter-token latency gives it
-                self._rate = self._steps / self._busy_s
-            self._steps = self._busy_s = 0.0
-            if self.calibration is not None:
-                self._scrape(now, preemptions_total, engine_used)
+            self._scrape(now, preemptions_total, engine_used)
         if now >= self._next_grow:
             self._next_grow = now + GROW_INTERVAL_S
             for verdict, tokens in progress():
@@ -323,24 +323,33 @@ class PolicyGate:
                 self._counted[lease.lease_id] = lease.blocks
 
     def _scrape(self, now: float, preemptions_total: int, engine_used: int) -> None:
-        assert self.calibration is not None
-        self.calibration.engine.reserved(self.pool.name, self.held)
-        self.calibration.engine.read(self.pool.name, engine_used)
+        """One reading of the engine, as discovery's of vLLM: to the engine feedback (the steps
+        since the last, each an interval between tokens, as vLLM's inter-token latency counts
+        them), and in calibrated mode the output lengths of the requests that finished."""
+        pool = self.pool.name
+        self.feedback.read(
+            pool,
+            now,
+            capacity_blocks=self.capacity.blocks,
+            used=engine_used,
+            reserved=self.held,
+            preempted=preemptions_total - (self.feedback.preemptions(pool) or 0),
+            intervals=self._steps,
+            interval_s=self._busy_s,
+        )
+        self._steps = self._busy_s = 0.0
+        if self.calibration is None:
+            return
         cumulative = tuple(float(c) for c in itertools.accumulate(self._finished[:-1]))
         total = float(sum(self._finished))
         histogram = Histogram(self._bounds, cumulative, total, float(self._finished_sum))
-        new = Observed(now, histogram.since(self._scraped), None)
-        self.calibration.outputs.add(self.pool.name, new)
+        new = Observed(now, histogram.since(self._scraped))
+        self.calibration.outputs.add(pool, new)
         self._scraped = histogram
-        full = engine_used >= PRESSURE_SHARE * self.capacity.blocks
-        self.calibration.overcommit.read(
-            self.pool.name, preemptions_total - self._preemptions, now, full=full
-        )
-        self._preemptions = preemptions_total
 
     @property
     def trust(self) -> float:
-        return self.calibration.overcommit.trust(self.pool.name) if self.calibration else 1.0
+        return self.calibration.engine.trust(self.pool.name) if self.calibration else 1.0
 
     async def reserved(self) -> int:
         return (await self.ledger.usage(self.pool.name)).reserved

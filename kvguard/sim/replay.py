@@ -17,8 +17,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvguard.admission.decide import RETRY_AFTER_S
-from kvguard.errors import Code
+from kvguard.errors import RETRY_AFTER_S, Code
 from kvguard.sim.engine import Engine, EngineConfig, Sequence
 from kvguard.sim.gate import PolicyGate, Verdict
 from kvguard.sim.metrics import Snapshot, snapshot

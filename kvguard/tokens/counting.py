@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
-from kvguard.errors import Code, Refusal, invalid
+from kvguard.errors import RETRY_AFTER_S, Code, Refusal, invalid
 from kvguard.tokens import messages_api, responses_api
 from kvguard.tokens.request import (
     PROMPT_FIELD,
@@ -36,7 +36,6 @@ MESSAGE_WORK_BYTES = 64
 # so a slow or busy host refuses sooner.
 MAX_BACKLOG_S = 2.0
 INITIAL_BYTES_PER_S = 2_000_000
-RETRY_AFTER_S = 1
 
 
 def count_prompts(

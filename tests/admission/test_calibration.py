@@ -12,21 +12,13 @@ from typing import Any
 import pytest
 
 from kvguard.admission import decide
-from kvguard.admission.calibration import (
-    MAX_QUIET_S,
-    MAX_SAMPLES,
-    RELAX_PER_S,
-    Calibration,
-    EngineView,
-    Estimate,
-    Overcommit,
-    Window,
-)
+from kvguard.admission.calibration import MAX_SAMPLES, Calibration, Estimate, Window
 from kvguard.admission.capacity import PoolCapacity
-from kvguard.admission.estimate import blocks_needed
+from kvguard.admission.engine import MAX_QUIET_S, RELAX_PER_S, EngineView, Overcommit
 from kvguard.admission.outputs import Histogram, Observed, OutputLengths
 from kvguard.admission.policy import identify_request
 from kvguard.admission.record import Decision
+from kvguard.admission.sizing import blocks_needed
 from kvguard.config.schema import Capacity, Config, Pool, Reservation, Tenancy, Tier
 from kvguard.errors import Code, Refusal
 from tests.admission.test_simulate_serve import MODEL, serve
@@ -271,10 +263,10 @@ def test_the_pools_histogram_is_the_fallback() -> None:
     calibration, calibrated = Calibration(outputs), pool(min_samples=50)
     bounds = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0)
     few = Histogram(bounds, (0, 0, 0, 0, 0, 49, 49), 49, 49 * 30)
-    outputs.add("p", Observed(0.0, few, None))
+    outputs.add("p", Observed(0.0, few))
     assert calibration.estimate(calibrated, "pro", TIER, "a", 0.0) is None  # 49 < min_samples
     one = Histogram(bounds, (0, 0, 0, 0, 0, 1, 1), 1, 30)
-    outputs.add("p", Observed(1.0, one, None))
+    outputs.add("p", Observed(1.0, one))
     # 50 observations in (20, 50]: rank 47.5 lies at 20 + 30 * 47.5 / 50 = 48.5
     assert calibration.estimate(calibrated, "pro", TIER, "a", 1.0) == Estimate(49, "pool", 1, 4)
     fed(calibration, calibrated, "pro", "b", *[7] * 50)  # the tier's own samples come first
@@ -285,7 +277,7 @@ def test_the_pools_histogram_of_another_pool_is_not_used() -> None:
     outputs = OutputLengths()
     calibration = Calibration(outputs)
     histogram = Histogram((10.0,), (5,), 5, 25)
-    outputs.add("q", Observed(0.0, histogram, None))
+    outputs.add("q", Observed(0.0, histogram))
     assert calibration.estimate(pool(), "pro", TIER, "a", 0.0) is None
 
 
@@ -313,11 +305,11 @@ def test_expired_samples_take_the_estimate_back_to_the_worst_case() -> None:
 def test_the_loops_trust_is_carried_in_the_estimate() -> None:
     calibration, calibrated = Calibration(), pool()
     fed(calibration, calibrated, "pro", "a", 100, 100, 100)
-    calibration.overcommit.read("p", 2, 0.0)
+    calibration.engine.read("p", 0.0, preempted=2)
     estimate = calibration.estimate(calibrated, "pro", TIER, "a", 0.0)
     assert estimate is not None and estimate.trust == 0.5
     assert estimate.reserve(500) == 300
-    calibration.overcommit.read("other", 2, 0.0)
+    calibration.engine.read("other", 0.0, preempted=2)
     again = calibration.estimate(calibrated, "pro", TIER, "a", 0.0)
     assert again is not None and again.trust == 0.5
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from kvguard.admission.capacity import pool_limit
-from kvguard.admission.estimate import blocks_needed, clamp
+from kvguard.admission.sizing import blocks_needed, clamp
 from kvguard.config.schema import Tier
 from kvguard.errors import Code, Refusal
 

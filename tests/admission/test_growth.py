@@ -12,8 +12,8 @@ from typing import cast
 import pytest
 
 from kvguard.admission.calibration import DEFAULT_DECODE_RATE, Growth
-from kvguard.admission.estimate import blocks_needed
 from kvguard.admission.leases import LeaseKeeper
+from kvguard.admission.sizing import blocks_needed
 from kvguard.ledger import Claim, Lease, Ledger, Outcome, Terms
 from kvguard.ledger.memory import MemoryLedger
 from kvguard.testing.wait import wait_until

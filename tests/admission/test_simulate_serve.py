@@ -27,11 +27,11 @@ from kvguard.admission import decide
 from kvguard.admission.admit import Admission, AdmissionSettings
 from kvguard.admission.calibration import Calibration, Estimate
 from kvguard.admission.capacity import Capacities, PoolCapacity
-from kvguard.admission.estimate import blocks_needed
 from kvguard.admission.leases import Lease
 from kvguard.admission.outputs import Histogram, Observed
 from kvguard.admission.policy import Policy, PoolPolicy, identify_request
 from kvguard.admission.record import Decision
+from kvguard.admission.sizing import blocks_needed
 from kvguard.config.schema import Capacity, Config, Pool, Reservation, Tenancy, Tier
 from kvguard.errors import Refusal
 from kvguard.ledger.memory import MemoryLedger
@@ -185,7 +185,7 @@ def learn(calibration: Calibration, pool: Pool, tenancy: Tenancy, learnt: Learnt
             float(len(learnt.pool_outputs)),
             float(sum(learnt.pool_outputs)),
         )
-        calibration.outputs.add(pool.name, Observed(0.0, histogram, None))
+        calibration.outputs.add(pool.name, Observed(0.0, histogram))
 
 
 async def both_decide(

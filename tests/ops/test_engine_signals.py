@@ -14,8 +14,9 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvguard.admission.calibration import BACKOFF, RELAX_PER_S, Calibration
+from kvguard.admission.calibration import Calibration
 from kvguard.admission.capacity import Capacities
+from kvguard.admission.engine import BACKOFF, RELAX_PER_S
 from kvguard.admission.outputs import OutputLengths
 from kvguard.admission.policy import Policy, build
 from kvguard.config import load
@@ -92,7 +93,7 @@ def second_engine(text: str) -> str:
     [
         REAL_METRICS,
         engine(7, 3, (120, 2.4)),
-        second_engine(engine(7, 3, (120, 2.4), with_outputs(REAL_METRICS, [21, 61], [900, 900]))),
+        second_engine(engine(7, 3, (120, 2.4), with_outputs(REAL_METRICS, [21, 61]))),
         engine(2, 1, (10, 0.5)).replace(INTER_TOKEN_LATENCY, TIME_PER_OUTPUT_TOKEN),
     ],
     ids=["real", "moved", "two-engines", "older-vllm"],
@@ -102,7 +103,7 @@ def test_the_filtered_text_reads_as_the_whole_one(text: str) -> None:
     assert parse_metrics(text) == whole
     kept = {f.name for f in text_string_to_metric_families(relevant(text))}
     assert kept <= set(READ_FAMILIES)
-    assert len(relevant(text)) < len(text) / 5  # 8 families of some 90
+    assert len(relevant(text)) < len(text) / 5  # 7 families of some 90
 
 
 def test_the_engine_counters_are_summed_over_engines() -> None:
@@ -195,7 +196,7 @@ async def test_preemptions_halve_the_trust_and_quiet_readings_give_it_back(
         assert len(logs) == steps  # one per change, none once back at 1
         assert {level for level, _ in logs} == {logging.INFO}
         assert logs[-1][1].endswith("trust 1 (was 0.95)")
-        assert calibration.overcommit.trust("qwen") == 1.0
+        assert calibration.engine.trust("qwen") == 1.0
         assert discovery.preemptions_total() == {"qwen": 4}
 
 
@@ -283,11 +284,11 @@ async def test_a_pool_no_longer_discovered_leaves_the_loop(tmp_path: Path) -> No
             await discovery.refresh(session)
             vllm.text = engine(preemptions=2)
             await discovery.refresh(session)
-            assert calibration.overcommit.trust("qwen") == BACKOFF
+            assert calibration.engine.trust("qwen") == BACKOFF
             policies.append(build(load(write_config(tmp_path, kvguard_config()))))  # static
             await discovery.refresh(session)
         assert discovery.trust() == discovery.preemptions_total() == {}
-        assert calibration.overcommit.trust("qwen") == 1.0
+        assert calibration.engine.trust("qwen") == 1.0
 
 
 def test_outputs_come_from_the_calibration() -> None:

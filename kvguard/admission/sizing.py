@@ -1,4 +1,6 @@
-"""Turn a counted request into output-token limits and KV blocks. Pure functions."""
+"""A request's size: its output-token limits (the clamp to the tier's cap and the context left)
+and the KV blocks a prompt and an output take. Pure functions; what a calibrated request
+expects to produce is `calibration`'s estimate."""
 
 from __future__ import annotations
 
