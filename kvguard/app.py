@@ -129,7 +129,7 @@ class Service:
             self.ledger,
             config.ledger.lease_seconds,
             decode_rate=self.discovery.decode_rate,
-            trust=self.calibration.overcommit.trust,
+            trust=self.calibration.engine.trust,
             on_released=lambda pool: self.queue.notify(pool),
         )
 

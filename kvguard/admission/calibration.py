@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from kvguard.admission.engine import EngineFeedback, Overcommit
+from kvguard.admission.engine import EngineFeedback
 from kvguard.admission.outputs import OutputLengths
 from kvguard.admission.record import Completion
 from kvguard.admission.sizing import blocks_needed
@@ -116,11 +116,6 @@ class Calibration:
         # (pool, tier) and (pool, tier, tenant): their window
         self._windows: dict[tuple[str, ...], Window] = {}
         self._observed = 0
-
-    @property
-    def overcommit(self) -> Overcommit:
-        """The engine feedback's loop, whose trust the estimate carries."""
-        return self.engine.overcommit
 
     def learn(self, pool: Pool | None, completion: Completion, at: float) -> None:
         """Learn what a released lease's request produced, per sequence, where it is known
