@@ -1,7 +1,7 @@
 """The engine's feedback: what each reading of a pool's vLLM servers tells the decision.
 
-One entry, `EngineFeedback.read`, takes one reading of a pool: the blocks vLLM holds (and the
-blocks the ledger reserves, where the caller reads both at once), the preemptions it counted
+One entry, `EngineFeedback.read`, takes one reading of a pool: the blocks vLLM holds (compared
+with the blocks the ledger reserves, as last given to `reserved`), the preemptions it counted
 since the last reading, and the intervals between a sequence's consecutive tokens it observed
 since. Capacity discovery (ops/discovery.py) calls it each round that read one of the pool's
 endpoints, the simulator's gate (sim/gate.py) each `refresh_seconds` of simulated time, so that
@@ -132,22 +132,19 @@ class EngineFeedback:
         *,
         capacity_blocks: int = 0,
         used: int | None = None,
-        reserved: int | None = None,
         preempted: int | None = None,
         intervals: float = 0.0,
         interval_s: float = 0.0,
     ) -> TrustMoved | None:
         """One reading of `pool`'s engine at `at`: `used` of its `capacity_blocks` blocks in use
-        (None: not known), the ledger's `reserved` blocks when read with it (None: as last
-        given to `reserved`), `preempted` preemptions since the last reading (None: the engine
+        (None: not known; the ledger's blocks are as last given to `reserved`), `preempted`
+        preemptions since the last reading (None: the engine
         counts none), and `intervals` between consecutive tokens observed since, `interval_s`
         seconds in all. The trust's move when it moved, else None."""
         if preempted is not None:
             self._preemptions[pool] = self._preemptions.get(pool, 0) + preempted
         if intervals > 0 and interval_s > 0:
             self._decode_rate[pool] = intervals / interval_s
-        if reserved is not None:
-            self.view.reserved(pool, reserved)
         self.view.read(pool, used)
         full = capacity_blocks > 0 and used is not None and used >= PRESSURE_SHARE * capacity_blocks
         before = self.overcommit.trust(pool)
@@ -155,7 +152,8 @@ class EngineFeedback:
         return TrustMoved(before, after, full) if after is not None else None
 
     def reserved(self, pool: str, blocks: int) -> None:
-        """The ledger reserves `blocks` in `pool` now (read apart from the engine)."""
+        """The ledger reserves `blocks` in `pool` now: what the next reading's blocks in use are
+        compared with."""
         self.view.reserved(pool, blocks)
 
     def trust(self, pool: str) -> float:

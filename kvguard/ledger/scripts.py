@@ -88,19 +88,21 @@ _NONE = -1  # reserve.lua's times for "never" / "no retry" / "nothing due"
 T = TypeVar("T")
 
 
-def _seconds(ms: int, none: T) -> float | T:
+def _seconds(ms: Any, none: T) -> float | T:
     """A script's ms as seconds, or `none` for -1."""
-    return none if ms == _NONE else ms / 1000
+    value = int(ms)
+    return none if value == _NONE else value / 1000
 
 
 class ReserveAnswer(NamedTuple):
     """reserve.lua's answer, its slots in this order (the header of reserve.lua, which builds
-    it by these names in `answer`). Times are ms of Redis TIME, -1 for none; amounts blocks."""
+    it by these names in `answer`), as Redis returns them: integers, and the epoch as bytes or
+    text. Times are ms of Redis TIME, -1 for none; amounts blocks."""
 
     outcome: int  # 0 admitted, 1 tenant quota, 2 pool watermark
     pool_reserved: int  # after this step; promised blocks not included
     tenant_reserved: int
-    epoch: str  # the pool's epoch; '' when an impossible claim was refused without reading it
+    epoch: Any  # the pool's epoch; '' when an impossible claim was refused without reading it
     wait: int  # until a refused claim with terms is expected to fit (-1: never)
     retry_after: int  # until the client should retry (-1: not within max wait, or no terms)
     promised: int  # 1: promised that slot; 0: the time only told
@@ -110,25 +112,22 @@ class ReserveAnswer(NamedTuple):
 
     @classmethod
     def from_script(cls, answer: Sequence[Any]) -> ReserveAnswer:
-        """The script's array, read slot by slot in the order of the fields (ValueError when
+        """The script's array, read slot by slot in the order of the fields (TypeError when
         it has another length)."""
-        slots = dict(zip(cls._fields, answer, strict=True))
-        epoch = slots.pop("epoch")
-        text = epoch.decode() if isinstance(epoch, bytes) else str(epoch)
-        return cls(epoch=text, **{name: int(value) for name, value in slots.items()})
+        return cls._make(answer)
 
     def reservation(self, claim: Claim) -> Reservation:
         """The answer to `claim` as the Ledger protocol gives it."""
-        outcome = _OUTCOMES[self.outcome]
+        outcome = _OUTCOMES[int(self.outcome)]
         return Reservation(
             outcome=outcome,
-            pool_reserved=self.pool_reserved,
-            tenant_reserved=self.tenant_reserved,
+            pool_reserved=int(self.pool_reserved),
+            tenant_reserved=int(self.tenant_reserved),
             lease=claim.lease() if outcome is Outcome.ADMITTED else None,
             wait_s=_seconds(self.wait, math.inf),
             retry_after_s=_seconds(self.retry_after, None),
-            promised=bool(self.promised),
+            promised=bool(int(self.promised)),
             changes_in_s=_seconds(self.changes_in, math.inf),
-            waiting_s=self.waiting / 1000,
-            holding=self.held,
+            waiting_s=int(self.waiting) / 1000,
+            holding=int(self.held),
         )

@@ -327,12 +327,12 @@ class PolicyGate:
         since the last, each an interval between tokens, as vLLM's inter-token latency counts
         them), and in calibrated mode the output lengths of the requests that finished."""
         pool = self.pool.name
+        self.feedback.reserved(pool, self.held)
         self.feedback.read(
             pool,
             now,
             capacity_blocks=self.capacity.blocks,
             used=engine_used,
-            reserved=self.held,
             preempted=preemptions_total - (self.feedback.preemptions(pool) or 0),
             intervals=self._steps,
             interval_s=self._busy_s,

@@ -364,24 +364,20 @@ local function freed_among(ids, ends, over, freed, now)
   return nil, freed
 end
 
--- Ms from `now` until the pool's leases, ending in the order expected, have freed `over`
--- blocks: 0 when nothing is over, -1 when they cannot (without walking them when `over` is
--- more than they hold).
-local function pool_freed_by(over, now)
+-- Ms from `now` until the leases that `page(offset)` gives (their ids and expected ends,
+-- WALK_BATCH at a time, in the order they are expected to end; `held` blocks in all) have
+-- freed `over` blocks: 0 when nothing is over, -1 when they cannot (without walking them when
+-- `over` is more than they hold).
+local function freed_by(over, held, page, now)
   if over <= 0 then
     return 0
   end
-  if over > pool_reserved() then
+  if over > held then
     return -1
   end
   local freed, offset = 0, 0
   repeat
-    local flat = redis.call('ZRANGEBYSCORE', ENDS, '-inf', '+inf', 'WITHSCORES', 'LIMIT',
-      offset, WALK_BATCH)
-    local ids, ends = {}, {}
-    for i = 1, #flat, 2 do
-      ids[#ids + 1], ends[#ends + 1] = flat[i], tonumber(flat[i + 1])
-    end
+    local ids, ends = page(offset)
     local at
     at, freed = freed_among(ids, ends, over, freed, now)
     if at then
@@ -392,18 +388,25 @@ local function pool_freed_by(over, now)
   return -1
 end
 
--- The same for `tenant`'s leases alone.
+-- `freed_by` over the pool's leases.
+local function pool_freed_by(over, now)
+  local function page(offset)
+    local flat = redis.call('ZRANGEBYSCORE', ENDS, '-inf', '+inf', 'WITHSCORES', 'LIMIT',
+      offset, WALK_BATCH)
+    local ids, ends = {}, {}
+    for i = 1, #flat, 2 do
+      ids[#ids + 1], ends[#ends + 1] = flat[i], tonumber(flat[i + 1])
+    end
+    return ids, ends
+  end
+  return freed_by(over, pool_reserved(), page, now)
+end
+
+-- `freed_by` over `tenant`'s leases alone.
 local function tenant_freed_by(tenant, over, now)
-  if over <= 0 then
-    return 0
-  end
-  if over > tenant_reserved(tenant) then
-    return -1
-  end
   local line = line_of(tenant)
   local skip = #line + 15 + 2
-  local freed, offset = 0, 0
-  repeat
+  local function page(offset)
     local members = redis.call('ZRANGEBYLEX', TENANT_ENDS, '[' .. line, '[' .. line .. '\255',
       'LIMIT', offset, WALK_BATCH)
     local ids, ends = {}, {}
@@ -411,14 +414,9 @@ local function tenant_freed_by(tenant, over, now)
       ids[i] = string.sub(member, skip)
       ends[i] = tonumber(string.sub(member, #line + 1, #line + 15))
     end
-    local at
-    at, freed = freed_among(ids, ends, over, freed, now)
-    if at then
-      return at
-    end
-    offset = offset + #members
-  until #members < WALK_BATCH
-  return -1
+    return ids, ends
+  end
+  return freed_by(over, tenant_reserved(tenant), page, now)
 end
 
 -- End the promises whose grace has ended; a tenant whose ended promise never saw its client
