@@ -1,7 +1,7 @@
 """What calibrated reservation adds to a decision, side by side with the worst case (figures,
 not a test).
 
-`Admission.decide` in process on the memory ledger, its counter given the prompt's count (no
+`Admission.admit` in process on the memory ledger, its counter given the prompt's count (no
 tokenizer: counting is measured by bench_tokens.py), for a chat request without max_tokens, in
 a pool in `worst_case` mode and in the same pool in `calibrated` mode with 2,000 learnt samples
 per tier and tenant; each lease is released at once. Also the growth step: `LeaseKeeper.grow_all`
@@ -25,7 +25,7 @@ from typing import Any, cast
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvguard.admission.admit import Admission, AdmissionSettings  # noqa: E402
+from kvguard.admission.admit import Admission, AdmissionRequest, AdmissionSettings  # noqa: E402
 from kvguard.admission.calibration import Calibration, Growth  # noqa: E402
 from kvguard.admission.capacity import Capacities, PoolCapacity  # noqa: E402
 from kvguard.admission.leases import LeaseKeeper  # noqa: E402
@@ -81,14 +81,15 @@ def admission(mode: str) -> tuple[Admission, Policy, Calibration]:
 
 
 async def decisions(mode: str, count: int) -> float:
-    """Seconds of CPU per decision (decide + release)."""
-    decide, policy, _ = admission(mode)
+    """Seconds of CPU per decision (admit + release)."""
+    admitting, policy, _ = admission(mode)
     identity = identify_request(policy, {"x-tenant-id": "acme"})
     started = time.process_time()
     for _ in range(count):
-        admitted = await decide.decide(policy, "chat", identity, BODY, Decision())
+        request = AdmissionRequest(policy, "chat", identity, BODY, Decision())
+        admitted = await admitting.admit(request)
         assert admitted.lease is not None
-        await decide.ledger.release(admitted.lease)
+        await admitting.ledger.release(admitted.lease)
     return (time.process_time() - started) / count
 
 

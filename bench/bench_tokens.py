@@ -8,7 +8,7 @@ For chat prompts of about 100, 1k, 8k and 32k Qwen tokens it prints:
 - decision latency p50/p99 for text never counted before, alone (one request at a time) and
   concurrent (--concurrency streams in flight, closed loop), measured two ways, both in this
   process:
-  `decide`   = Admission.decide (parse, count, clamp, reserve; no gRPC);
+  `decide`   = Admission.admit (parse, count, clamp, reserve; no gRPC);
   `protocol` = the full ext_proc round trip over real gRPC to the in-process Service, from
                writing the body message to reading its answer (client and server share one
                event loop, so the client's own work is included);
@@ -52,6 +52,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb  # noqa: E402
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc  # noqa: E402
 
 from kvguard import config as configs  # noqa: E402
+from kvguard.admission.admit import AdmissionRequest  # noqa: E402
 from kvguard.admission.policy import known  # noqa: E402
 from kvguard.admission.record import Decision  # noqa: E402
 from kvguard.app import Service  # noqa: E402
@@ -209,7 +210,8 @@ def decide_sender(service: Service) -> Send:
     async def send(body: bytes) -> tuple[str, int, float]:
         start = time.perf_counter()
         try:
-            admitted = await service.admission.decide(policy, "chat", identity, body, Decision())
+            request = AdmissionRequest(policy, "chat", identity, body, Decision())
+            admitted = await service.admission.admit(request)
         except Refusal as refusal:
             return refusal.code.value, 0, time.perf_counter() - start
         elapsed = time.perf_counter() - start
@@ -274,7 +276,7 @@ async def main(quick: bool, concurrency: int) -> None:
     if quick:
         counts = {k: max(10, v // 5) for k, v in counts.items()}
     results: dict[str, Any] = {
-        "decision": "decide = Admission.decide in process; protocol = full ext_proc round trip "
+        "decision": "decide = Admission.admit in process; protocol = full ext_proc round trip "
         "over real gRPC to the in-process Service (client on the same event loop)",
         "inline_body_bytes": counting.INLINE_BODY_BYTES,
         "concurrency": concurrency,

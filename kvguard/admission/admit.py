@@ -1,55 +1,69 @@
 """Admission as it runs: from a request body to a lease or a refusal. No gRPC, no sockets.
 
 Steps (docs/design.md, "The request path"): parse; find the pool by model; count the prompt tokens
-(the injected counter); size the request and build its claim (`decide`, pure); reserve it in
-the injected ledger; build the answer.
+(the injected counter); size the request and build its claim (admission.sequence, shared with
+the simulator); reserve it in the injected ledger, waiting in the pool's queue or for a
+promise's blocks where that may still admit it; answer with what the protocol layer renders.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 import time
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
-from kvguard.admission import decide
+from kvguard.admission import decide, sequence
 from kvguard.admission.calibration import Calibration, Growth
 from kvguard.admission.capacity import Capacities
 from kvguard.admission.policy import Identity, Policy
-from kvguard.admission.promises import retry_key, terms
+from kvguard.admission.promises import RateLimit
 from kvguard.admission.queue import AdmissionQueue, QueueFull
-from kvguard.admission.record import Decision
-from kvguard.config.schema import Queue as QueueSettings
+from kvguard.admission.record import Decision, RequestOutcome
+from kvguard.admission.sequence import Asked, DecisionSequence, Wait
 from kvguard.errors import Code, Refusal, invalid
-from kvguard.ledger import Claim, Lease, Ledger, LedgerUnavailable, Outcome, Reservation
+from kvguard.ledger import Claim, Lease, Ledger, LedgerUnavailable, Reservation
 from kvguard.tokens.counting import PromptCounter
 from kvguard.tokens.request import Kind, parse
 
 __all__ = [
     "Admission",
+    "AdmissionRequest",
     "AdmissionSettings",
     "Admitted",
 ]
 
 
 @dataclass(frozen=True, slots=True)
+class AdmissionRequest:
+    """One guarded request to decide, as the protocol layer received it."""
+
+    policy: Policy  # the policy it is decided by, however long it waits
+    kind: Kind
+    identity: Identity
+    body: bytes
+    decision: Decision  # what the decision finds on the way, whichever way it ends
+    retry_token: str = ""  # what the client sent back of a refusal's token, if anything
+
+
+@dataclass(frozen=True, slots=True)
 class Admitted:
-    """A request that may go upstream, with what must change on its way."""
+    """A request that may go upstream: its lease, its rewritten body, and what kvguard tells of
+    its decision (extproc.responses renders it as headers and dynamic metadata)."""
 
     pool: str
-    lease: Lease | None  # None only in shadow mode, for a request that would be refused
+    tenant: str
+    # None in shadow mode for a request that would be refused, and when the ledger is
+    # unreachable and `on_unavailable` is allow.
+    lease: Lease | None
     body: bytes | None  # the rewritten body; None when it goes unchanged
-    headers: dict[str, str]  # headers to set on the upstream request
-    prompt_tokens: int
-    blocks: int
-    would_refuse: Code | None = None
-    # The decision as ext_proc dynamic metadata: envoy.yaml's access log reads it (kvguard's
-    # word, not headers a client could send) and its route turns `max_tokens` into
-    # x-kvguard-max-tokens.
-    metadata: dict[str, str] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    blocks: int = 0
+    reserved_output: int = 0  # output tokens per sequence its lease reserves
+    max_tokens: int = 0  # the output limit vLLM applies
+    would_refuse: Code | None = None  # shadow mode: the refusal it passes with
+    rate_limit: RateLimit | None = None  # where its tenant stands, when the policy tells it
     # How its lease follows its request as it decodes: its blocks, when it reserved less than
     # its limit, and when it is expected to end.
     growth: Growth | None = None
@@ -85,186 +99,113 @@ class Admission:
         self.counter = counter
         self.capacities = capacities
         self.settings = settings
-        # Learnt output lengths, for pools and tiers in calibrated mode; None: worst case always.
-        self.calibration = calibration
         self.clock = clock
-        # Tokens a second per sequence a pool decodes (None: unknown): when a lease is
-        # expected to end, what a refusal's time is told from.
-        self.decode_rate = decode_rate
-        self.rng = rng or random.Random()  # the jitter of promised retry times
+        self.decisions = DecisionSequence(
+            settings.lease_seconds, calibration, decode_rate=decode_rate, rng=rng
+        )
         self.queue = queue  # where refused requests wait, in pools with a queue
 
-    async def decide(
-        self,
-        policy: Policy,
-        kind: Kind,
-        identity: Identity,
-        raw: bytes,
-        decision: Decision,
-        retry_token: str = "",
-    ) -> Admitted:
-        """Admit (a lease is held until `ledger.release`) or raise Refusal; `decision` records
-        what was found on the way, whichever way it ends. `retry_token`: what the client sent
-        back of a refusal's token, if anything."""
+    async def admit(self, request: AdmissionRequest) -> Admitted:
+        """Admit (a lease is held until `ledger.release`) or raise Refusal; in shadow mode a
+        request refused for capacity or availability is admitted without a lease."""
+        decision, identity = request.decision, request.identity
         decision.tenant, decision.tier = identity.tenant, identity.tier_name
-        decision.metered_tenant = policy.tenancy.metered_tenant(identity.tenant)
+        decision.metered_tenant = request.policy.tenancy.metered_tenant(identity.tenant)
         try:
-            admitted = await self._decide(policy, kind, identity, raw, decision, retry_token)
+            admitted = await self._size_and_reserve(request)
         except Refusal as refusal:
             decision.refused(refusal.code)
-            if not decide.passes_in_shadow(policy.shadow, refusal.code):
+            if not decide.passes_in_shadow(request.policy.shadow, refusal.code):
                 raise
-            decision.outcome = "shadow_refused"
-            would_refuse = {"x-kvguard-would-refuse": refusal.code.value}
-            metadata = {"would_refuse": refusal.code.value}
-            if identity.tenant:
-                metadata["tenant"] = identity.tenant
-            return Admitted(
-                decision.pool, None, None, would_refuse, 0, 0, refusal.code, metadata=metadata
-            )
-        decision.outcome, decision.reason = "admitted", ""
+            decision.outcome = RequestOutcome.SHADOW_REFUSED
+            return Admitted(decision.pool, identity.tenant, None, None, would_refuse=refusal.code)
+        decision.outcome, decision.reason = RequestOutcome.ADMITTED, ""
         return admitted
 
-    async def _decide(
-        self,
-        policy: Policy,
-        kind: Kind,
-        identity: Identity,
-        raw: bytes,
-        decision: Decision,
-        retry_token: str,
-    ) -> Admitted:
+    async def _size_and_reserve(self, request: AdmissionRequest) -> Admitted:
+        raw, decision, identity = request.body, request.decision, request.identity
         if len(raw) > self.settings.max_body_bytes:
             raise Refusal(
                 Code.REQUEST_TOO_LARGE,
                 f"the request body is larger than {self.settings.max_body_bytes} bytes",
             )
-        request = parse(kind, raw)
-        pool = policy.by_model.get(request.model)
+        parsed = parse(request.kind, raw)
+        pool = request.policy.by_model.get(parsed.model)
         if pool is None:
             raise Refusal(
-                Code.MODEL_NOT_FOUND, f"the model {request.model!r} is not served here", "model"
+                Code.MODEL_NOT_FOUND, f"the model {parsed.model!r} is not served here", "model"
             )
         decision.pool = pool.name
         capacity = decide.capacity_known(pool.name, self.capacities.get(pool.name))
         prompt_tokens = await self.counter.count(
             pool.tokenizer,
-            request,
+            parsed,
             len(raw),
             media_tokens=pool.config.media_tokens,
             max_model_len=pool.config.max_model_len,
         )
-        prompt_total = decision.prompt_tokens = sum(prompt_tokens)
+        decision.prompt_tokens = sum(prompt_tokens)
         counted = decide.Counted(
-            kind,
-            request.limits,
+            request.kind,
+            parsed.limits,
             prompt_tokens,
-            request.min_tokens,
-            request.n,
-            request.runs_to_limit,
+            parsed.min_tokens,
+            parsed.n,
+            parsed.runs_to_limit,
         )
-        now = self.clock()
-        estimate = None
-        if self.calibration is not None:
-            estimate = self.calibration.estimate(
-                pool.config, identity.tier_name, identity.tier, identity.tenant, now
-            )
-        plan = decide.plan(counted, pool.config, identity.tenant, identity.tier, capacity, estimate)
+        asked = Asked(
+            pool.config,
+            identity,
+            counted,
+            capacity,
+            self.clock(),
+            request.policy.shadow,
+            raw,
+            request.retry_token,
+        )
+        plan = self.decisions.plan(asked)
         limits = plan.limits
         decision.requested_max_tokens, decision.max_tokens = limits.requested, limits.max_tokens
         # Messages' thinking budget must stay below the limit: vLLM refuses the request else.
-        if request.thinking_budget and limits.max_tokens <= request.thinking_budget:
+        if parsed.thinking_budget and limits.max_tokens <= parsed.thinking_budget:
             raise invalid(
-                f"thinking.budget_tokens is {request.thinking_budget}, not below the "
+                f"thinking.budget_tokens is {parsed.thinking_budget}, not below the "
                 f"{limits.max_tokens} tokens this request may generate (this tenant's cap is "
                 f"{identity.tier.max_tokens_cap})",
                 "thinking.budget_tokens",
             )
         decision.blocks, decision.reserved_output = plan.blocks, plan.reserved_output
         decision.reserved_from = plan.reserved_from
-        # A calibrated claim fits beside what vLLM holds beyond the ledger's count, too.
-        unaccounted = 0
-        if self.calibration is not None:
-            unaccounted = self.calibration.engine.unaccounted(pool.name)
-        # Shadow mode promises nothing: its refusals pass, and a promise would hold blocks.
-        promise = None if policy.shadow else terms(pool.config, self.rng)
-        key = retry_key(identity.tenant, raw, retry_token) if promise is not None else ""
-        claim = decide.claim(
-            plan,
-            uuid.uuid4().hex,
-            self.settings.lease_seconds,
-            unaccounted,
-            retry_key=key,
-            terms=promise,
-            decode_rate=self.decode_rate(pool.name),
-        )
+        claim = self.decisions.claim(asked, plan)
         body = None  # built before the reserve: nothing may fail between it and the answer
-        if limits.fields != request.limits:
-            body = json.dumps({**request.body, **limits.fields}, ensure_ascii=False).encode()
-        rate_limit_headers = policy.tenancy.rate_limit_headers
-        queue = None if policy.shadow else pool.config.queue
-        reservation = await self._reserve(
-            claim,
-            rate_limit_headers,
-            queue,
-            pool.config.watermark,
-            plan.reserved_from != "worst_case",
-        )
-        lease = reservation.lease if reservation is not None else None
-        metadata = {
-            "blocks": str(plan.blocks),
-            "prompt_tokens": str(prompt_total),
-            "reserved_output": str(plan.reserved_output),
-        }
-        headers = {
-            "x-kvguard-blocks": metadata["blocks"],
-            "x-kvguard-prompt-tokens": metadata["prompt_tokens"],
-            "x-kvguard-reserved-output": metadata["reserved_output"],
-        }
-        if lease is not None:
-            headers["x-kvguard-lease"] = metadata["lease"] = lease.lease_id
-        if identity.tenant:
-            metadata["tenant"] = identity.tenant
-        if policy.tenancy.expose_limit_header:
-            metadata["max_tokens"] = str(limits.max_tokens)
-        if rate_limit_headers and reservation is not None:
-            headers_out = decide.rate_limit(reservation, claim).headers()
-            metadata["ratelimit"] = headers_out["ratelimit"]
-            metadata["ratelimit_policy"] = headers_out["ratelimit-policy"]
-        growth = Growth(
-            pool.name,
-            tuple(prompt_tokens),
-            request.n,
-            capacity.block_size,
-            limits.max_tokens,
-            plan.reserved_output,
-            now,
-            estimate,
-        )
+        if limits.fields != parsed.limits:
+            body = json.dumps({**parsed.body, **limits.fields}, ensure_ascii=False).encode()
+        tells = request.policy.tenancy.rate_limit_headers
+        reservation = await self._reserve(asked, plan, claim, tells)
+        rate_limit = None
+        if tells and reservation is not None:
+            rate_limit = decide.rate_limit(reservation, claim)
         return Admitted(
             pool.name,
-            lease,
+            identity.tenant,
+            reservation.lease if reservation is not None else None,
             body,
-            headers,
-            prompt_total,
+            decision.prompt_tokens,
             plan.blocks,
-            metadata=metadata,
-            growth=growth,
-            sequences=len(prompt_tokens) * request.n,
+            plan.reserved_output,
+            limits.max_tokens,
+            rate_limit=rate_limit,
+            growth=sequence.growth(asked, plan),
+            sequences=len(prompt_tokens) * parsed.n,
         )
 
     async def _reserve(
-        self,
-        claim: Claim,
-        rate_limit_headers: bool,
-        queue: QueueSettings | None = None,
-        watermark: float = 0.0,
-        calibrated: bool = False,
+        self, asked: Asked, plan: decide.Plan, claim: Claim, rate_limit_headers: bool
     ) -> Reservation | None:
         """The admitting reservation, or None when the ledger is unreachable and
         `on_unavailable` is allow. Raises the refusal the ledger's answer means."""
         try:
-            reservation = await self._reserve_or_wait(claim, queue, watermark, calibrated)
+            reservation = await self._reserve_or_wait(asked, plan, claim)
         except LedgerUnavailable:
             if self.settings.on_unavailable == "allow":
                 return None
@@ -274,47 +215,40 @@ class Admission:
             raise refused
         return reservation
 
-    async def _reserve_or_wait(
-        self, claim: Claim, queue: QueueSettings | None, watermark: float, calibrated: bool
-    ) -> Reservation:
-        """Reserve `claim`, waiting when that may still admit it: a promised retry for the
-        rest of its held blocks, and in a pool with a queue, a request refused for the quota
-        or the watermark (promised nothing meanwhile). The answer of a claim that waited in
-        vain comes from one last try under a lease id of its own (an attempt of its wait may
-        still be under way): with the claim's terms after a queue's wait, told when with
-        nothing held after a promise's or a full queue."""
-        possible = claim.blocks <= claim.pool_limit and claim.blocks <= claim.tenant_quota
-        queued = (
-            queue is not None and queue.max_wait_seconds > 0 and possible and self.queue is not None
-        )
-        # Waiting, it is promised nothing; built only then (a copy costs on every request).
-        bare = dataclasses.replace(claim, terms=None) if queued else claim
-        reservation = await self.ledger.reserve(bare)
-        if reservation.outcome is Outcome.ADMITTED or self.queue is None:
+    async def _reserve_or_wait(self, asked: Asked, plan: decide.Plan, claim: Claim) -> Reservation:
+        """Reserve `claim`, waiting when that may still admit it: in a pool with a queue, a
+        request refused for the quota or the watermark (promised nothing meanwhile), and a
+        promised retry for the rest of its held blocks. A wait in vain ends with one last try
+        under a lease id of its own (an attempt of its wait may still be under way): with the
+        claim's terms after a queue's wait, told when with nothing held after a promise's or a
+        full queue."""
+        queue_s = 0.0
+        if self.queue is not None:
+            queue_s = sequence.queue_seconds(claim, asked.pool, asked.shadow)
+        reservation = await self.ledger.reserve(sequence.first_ask(claim, queue_s))
+        wait = Wait.NONE if self.queue is None else sequence.wait_after(reservation, queue_s > 0)
+        if wait is Wait.NONE:
             return reservation
-        if reservation.waiting_s <= 0 and not queued:
-            return reservation  # refused, with its promise or its time
-        if bare is claim:
-            bare = dataclasses.replace(claim, terms=None)
+        assert self.queue is not None
+        waiting = sequence.unpromised(claim)
 
         async def attempt() -> Reservation:
             # The pool's limit as it is now: its capacity or vLLM's unaccounted blocks may
             # have changed while the request waited.
-            return await self.ledger.reserve(self._current(bare, watermark, calibrated))
+            return await self.ledger.reserve(self._current(waiting, asked, plan))
 
-        last = claim
-        if reservation.waiting_s <= 0:
-            assert queue is not None
+        if wait is Wait.QUEUE:
+            last = claim
             try:
                 waited = await self.queue.wait(
-                    claim.pool, claim.tenant, attempt, queue.max_wait_seconds, queue.max_queued
+                    claim.pool, claim.tenant, attempt, queue_s, asked.pool.queue.max_queued
                 )
             except QueueFull:  # a promise would go before those queued
-                waited, last = None, dataclasses.replace(claim, retry_key="")
+                waited, last = None, sequence.told(claim)
             if waited is not None:
                 return waited
-            reservation = await self.ledger.reserve(self._fresh(last, watermark, calibrated))
-            if reservation.waiting_s <= 0:
+            reservation = await self.ledger.reserve(self._fresh(last, asked, plan))
+            if sequence.wait_after(reservation, queues=False) is Wait.NONE:
                 return reservation
         # Back at its promise's time, its blocks not all free: wait for them, first in line.
         waited = await self.queue.wait(
@@ -322,22 +256,20 @@ class Admission:
         )
         if waited is not None:
             return waited
-        told = dataclasses.replace(claim, retry_key="")
-        return await self.ledger.reserve(self._fresh(told, watermark, calibrated))
+        return await self.ledger.reserve(self._fresh(sequence.told(claim), asked, plan))
 
-    def _current(self, claim: Claim, watermark: float, calibrated: bool) -> Claim:
+    def _current(self, claim: Claim, asked: Asked, plan: decide.Plan) -> Claim:
         """`claim` against its pool's limit as it is now."""
         capacity = self.capacities.get(claim.pool)
         if capacity is None:
             return claim
-        unaccounted = 0
-        if self.calibration is not None:
-            unaccounted = self.calibration.engine.unaccounted(claim.pool)
-        limit = decide.claim_limit(capacity.limit(watermark), calibrated, unaccounted)
-        return dataclasses.replace(claim, pool_limit=limit)
-
-    def _fresh(self, claim: Claim, watermark: float, calibrated: bool) -> Claim:
-        """`claim` as now, under a new lease id."""
-        return dataclasses.replace(
-            self._current(claim, watermark, calibrated), lease_id=uuid.uuid4().hex
+        limit = decide.claim_limit(
+            capacity.limit(asked.pool.watermark),
+            plan.calibrated,
+            self.decisions.unaccounted(claim.pool),
         )
+        return replace(claim, pool_limit=limit)
+
+    def _fresh(self, claim: Claim, asked: Asked, plan: decide.Plan) -> Claim:
+        """`claim` as now, under a new lease id."""
+        return replace(self._current(claim, asked, plan), lease_id=self.decisions.lease_ids())

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 from kvguard.admission.engine import EngineFeedback
 from kvguard.admission.outputs import OutputLengths
-from kvguard.admission.record import Completion
+from kvguard.admission.record import Completion, ReservedFrom
 from kvguard.admission.sizing import blocks_needed
 from kvguard.config.schema import Pool, Tier
 
@@ -93,7 +93,7 @@ class Estimate:
     """The output one sequence of a request reserves, before its limit caps it."""
 
     tokens: int  # what the learnt quantile says a sequence produces
-    source: str  # tenant | tier | pool (vLLM's histogram) | oracle (the simulator's truth)
+    source: ReservedFrom  # what it was learnt from (never WORST_CASE)
     trust: float = 1.0  # the loop's: 1 reserves the estimate, 0 the whole limit
     floor: int = 1  # reserve at least this (pools[].reservation.min_tokens)
 
@@ -163,11 +163,13 @@ class Calibration:
         trust = self.engine.trust(pool.name)
         return Estimate(tokens, source, trust, settings.min_tokens)
 
-    def _learnt(self, pool: Pool, tier: str, tenant: str, at: float) -> tuple[int | None, str]:
+    def _learnt(
+        self, pool: Pool, tier: str, tenant: str, at: float
+    ) -> tuple[int | None, ReservedFrom]:
         settings = pool.reservation
         for window, source in (
-            (self._windows.get((pool.name, tier, tenant)), "tenant"),
-            (self._windows.get((pool.name, tier)), "tier"),
+            (self._windows.get((pool.name, tier, tenant)), ReservedFrom.TENANT),
+            (self._windows.get((pool.name, tier)), ReservedFrom.TIER),
         ):
             if window is None:
                 continue
@@ -178,8 +180,8 @@ class Calibration:
         if generated is not None and generated.count >= settings.min_samples:
             value = generated.quantile(settings.quantile)
             if value is not None and math.isfinite(value):
-                return max(1, math.ceil(value)), "pool"
-        return None, ""
+                return max(1, math.ceil(value)), ReservedFrom.POOL
+        return None, ReservedFrom.WORST_CASE
 
 
 @dataclass(frozen=True, slots=True)

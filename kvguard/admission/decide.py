@@ -4,7 +4,7 @@ In: the pool, the tenant's tier, the counted request and the pool's capacity. Ou
 (the output limits and the blocks they need), then the `Claim` the ledger is asked to grant,
 or a `Refusal`. The ledger's answer to a claim maps back to a refusal here too, so `serve`
 (`admit.Admission`) and `simulate` (`sim.gate.PolicyGate`) refuse with the same codes and
-messages.
+messages; admission.sequence holds the steps they both take with these.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from kvguard.admission.calibration import Estimate, ends_in_s
 from kvguard.admission.capacity import PoolCapacity
 from kvguard.admission.promises import RETRY_TOKEN_HEADER, RateLimit
+from kvguard.admission.record import ReservedFrom
 from kvguard.admission.sizing import Limits, blocks_needed, clamp
 from kvguard.config.schema import Pool, Tier
 from kvguard.errors import RETRY_AFTER_S, Code, Refusal
@@ -56,8 +57,15 @@ class Plan:
     quota: int  # most blocks the tenant may hold in the pool
     pool_limit: int  # most blocks the pool may hold: capacity less the watermark
     reserved_output: int  # output tokens each sequence reserves: the limit, or less
-    reserved_from: str = "worst_case"  # what sized reserved_output: worst_case or the estimate's
+    reserved_from: ReservedFrom = ReservedFrom.WORST_CASE  # what sized reserved_output
     worst_blocks: int = 0  # the blocks of the whole limit, what a lease may grow to
+    estimate: Estimate | None = None  # the estimate it was sized with, to size it again
+
+    @property
+    def calibrated(self) -> bool:
+        """It reserves less than its whole limit: its claim leaves room for vLLM's
+        unaccounted blocks."""
+        return self.reserved_from is not ReservedFrom.WORST_CASE
 
 
 def capacity_known(pool: str, capacity: PoolCapacity | None) -> PoolCapacity:
@@ -95,7 +103,7 @@ def plan(
         max(request.prompt_tokens),
         request.min_tokens,
     )
-    reserved, reserved_from = limits.max_tokens, "worst_case"
+    reserved, reserved_from = limits.max_tokens, ReservedFrom.WORST_CASE
     if estimate is not None and not request.runs_to_limit:
         # Never above the limit: an echo-only completion's limit is 0.
         at_least = max(1, request.min_tokens, estimate.reserve(limits.max_tokens))
@@ -115,6 +123,7 @@ def plan(
         reserved,
         reserved_from,
         worst,
+        estimate,
     )
 
 
@@ -142,7 +151,7 @@ def claim(
             f"({plan.quota}) or the pool's admissible capacity ({plan.pool_limit}) allows; "
             "lower max_tokens, n or the prompt length",
         )
-    limit = claim_limit(plan.pool_limit, plan.reserved_from != "worst_case", unaccounted)
+    limit = claim_limit(plan.pool_limit, plan.calibrated, unaccounted)
     return Claim(
         lease_id,
         plan.pool,

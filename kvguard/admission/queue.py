@@ -18,6 +18,7 @@ sharing a Redis ledger compete for the freed blocks.
 from __future__ import annotations
 
 import asyncio
+import enum
 import itertools
 import logging
 import math
@@ -54,6 +55,16 @@ class _Pool:
     timer: asyncio.TimerHandle | None = None  # the next moment room may appear by itself
 
 
+class QueueOutcome(enum.StrEnum):
+    """How a queued request's wait ended: kvguard_queue_wait_seconds's outcome label."""
+
+    ADMITTED = "admitted"
+    TIMED_OUT = "timed_out"
+    FULL = "full"  # refused at once: the pool's queue was full
+    LEFT = "left"  # its client went away
+    FAILED = "failed"  # an attempt raised (the ledger unreachable)
+
+
 class AdmissionQueue:
     """The waiting requests of every pool of this process.
 
@@ -69,7 +80,7 @@ class AdmissionQueue:
         release: Callable[[Lease], None],
         *,
         clock: Callable[[], float] = time.monotonic,
-        on_outcome: Callable[[str, str, float], None] = lambda _pool, _outcome, _s: None,
+        on_outcome: Callable[[str, QueueOutcome, float], None] = lambda _pool, _outcome, _s: None,
     ) -> None:
         self._held = held
         self._release = release
@@ -109,25 +120,25 @@ class AdmissionQueue:
         never refused for a full queue."""
         state = self._pools.setdefault(pool, _Pool())
         if not promised and len(state.waiters) >= max_queued:
-            self._on_outcome(pool, "full", 0.0)
+            self._on_outcome(pool, QueueOutcome.FULL, 0.0)
             raise QueueFull(pool)
         waiter = _Waiter(tenant, next(self._seq), attempt, self._clock(), promised)
         state.waiters.append(waiter)
         state.wake.set()
         if state.pump is None or state.pump.done():
             state.pump = asyncio.get_running_loop().create_task(self._pump(pool, state))
-        outcome, delivered = "left", False
+        outcome, delivered = QueueOutcome.LEFT, False
         try:
             reservation = await asyncio.wait_for(asyncio.shield(waiter.answer), max_wait_s)
-            outcome, delivered = "admitted", True
+            outcome, delivered = QueueOutcome.ADMITTED, True
             return reservation
         except TimeoutError:
-            outcome = "timed_out"
+            outcome = QueueOutcome.TIMED_OUT
             return None
         except asyncio.CancelledError:
             raise
         except Exception:
-            outcome = "failed"
+            outcome = QueueOutcome.FAILED
             raise
         finally:
             if waiter in state.waiters:

@@ -3,9 +3,29 @@ the log line are made from it."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from kvguard.errors import Code
+
+
+class RequestOutcome(enum.StrEnum):
+    """How a guarded request's decision ended: kvguard_admissions_total's outcome label."""
+
+    ADMITTED = "admitted"
+    REFUSED = "refused"  # kvguard answered with an error
+    SHADOW_REFUSED = "shadow_refused"  # shadow mode: it would refuse, and let the request through
+    CANCELLED = "cancelled"  # the stream ended before the answer went out
+
+
+class ReservedFrom(enum.StrEnum):
+    """What sized the output a lease reserves per sequence."""
+
+    WORST_CASE = "worst_case"  # the whole output limit
+    TENANT = "tenant"  # the tenant's learnt output lengths
+    TIER = "tier"  # its tier's
+    POOL = "pool"  # the pool's, from vLLM's histogram
+    ORACLE = "oracle"  # the simulator's truth
 
 
 @dataclass
@@ -23,16 +43,16 @@ class Decision:
     requested_max_tokens: int | None = None  # the client's limit; None when it sent none
     max_tokens: int | None = None  # the limit vLLM applies (clamped or injected)
     reserved_output: int | None = None  # output tokens per sequence the lease reserves
-    reserved_from: str | None = None  # worst_case, or the estimate's source (tenant|tier|pool)
-    outcome: str = "refused"  # admitted | refused | shadow_refused | cancelled
+    reserved_from: ReservedFrom | None = None
+    outcome: RequestOutcome = RequestOutcome.REFUSED
     reason: str = ""  # the refusal code; "" when admitted or cancelled
 
     def refused(self, code: Code) -> None:
-        self.outcome, self.reason = "refused", code.value
+        self.outcome, self.reason = RequestOutcome.REFUSED, code.value
 
     def cancelled(self) -> None:
         """The stream ended before its answer went out (the client left, or Envoy timed out)."""
-        self.outcome, self.reason = "cancelled", ""
+        self.outcome, self.reason = RequestOutcome.CANCELLED, ""
 
     def attributes(self) -> dict[str, str | int]:
         return _present(self, _DECISION_ATTRIBUTES)

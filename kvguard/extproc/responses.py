@@ -18,6 +18,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.duration_pb2 import Duration
 
+from kvguard.admission.admit import Admitted
 from kvguard.errors import Refusal
 
 _OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
@@ -71,23 +72,55 @@ def request_headers(
     return response
 
 
-def admitted_body(
-    body: bytes | None, headers: dict[str, str], metadata: Mapping[str, str] | None = None
-) -> ProcessingResponse:
-    """Continue with the rewritten body (when there is one) and the kvguard headers; `metadata`
-    becomes dynamic metadata in METADATA_NAMESPACE (envoy.yaml's access log and response
-    headers read it)."""
+def admitted_body(admitted: Admitted, *, expose_limit: bool = False) -> ProcessingResponse:
+    """Continue with the rewritten body (when there is one) and the x-kvguard-* headers; the
+    decision also goes as dynamic metadata in METADATA_NAMESPACE, which envoy.yaml's access log
+    reads (kvguard's word, not headers a client could send) and its route turns into response
+    headers (`max_tokens`, with `expose_limit`, into x-kvguard-max-tokens; the RateLimit
+    fields)."""
+    headers, metadata = _decision(admitted, expose_limit)
     response = ProcessingResponse()
     common = response.request_body.response
+    body = admitted.body
     if body is None:
         _mutate(common.header_mutation, headers)
     else:
         # Envoy answers 500 when content-length disagrees with the body it forwards.
         _mutate(common.header_mutation, {**headers, "content-length": str(len(body))})
         common.body_mutation.body = body
-    if metadata:
-        _set_metadata(response, metadata)
+    _set_metadata(response, metadata)
     return response
+
+
+def _decision(admitted: Admitted, expose_limit: bool) -> tuple[dict[str, str], dict[str, str]]:
+    """The upstream request's x-kvguard-* headers and the dynamic metadata of `admitted`."""
+    if admitted.would_refuse is not None:  # shadow mode: passed as sent, without a lease
+        code = admitted.would_refuse.value
+        headers, metadata = {"x-kvguard-would-refuse": code}, {"would_refuse": code}
+    else:
+        blocks, prompt_tokens = str(admitted.blocks), str(admitted.prompt_tokens)
+        reserved_output = str(admitted.reserved_output)
+        headers = {
+            "x-kvguard-blocks": blocks,
+            "x-kvguard-prompt-tokens": prompt_tokens,
+            "x-kvguard-reserved-output": reserved_output,
+        }
+        metadata = {
+            "blocks": blocks,
+            "prompt_tokens": prompt_tokens,
+            "reserved_output": reserved_output,
+        }
+        if admitted.lease is not None:
+            headers["x-kvguard-lease"] = metadata["lease"] = admitted.lease.lease_id
+        if expose_limit:
+            metadata["max_tokens"] = str(admitted.max_tokens)
+        if admitted.rate_limit is not None:
+            standing = admitted.rate_limit.headers()
+            metadata["ratelimit"] = standing["ratelimit"]
+            metadata["ratelimit_policy"] = standing["ratelimit-policy"]
+    if admitted.tenant:
+        metadata["tenant"] = admitted.tenant
+    return headers, metadata
 
 
 def _set_metadata(response: ProcessingResponse, metadata: Mapping[str, str]) -> None:

@@ -26,7 +26,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
     ProcessingResponse,
 )
 
-from kvguard.admission.admit import Admission, Admitted
+from kvguard.admission.admit import Admission, AdmissionRequest, Admitted
 from kvguard.admission.leases import LeaseKeeper
 from kvguard.admission.policy import Identity, Policy, identify_request
 from kvguard.admission.promises import RETRY_TOKEN_HEADER
@@ -171,7 +171,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
         exchange.recorded = True
         with self._telemetry.deciding(exchange.decision, exchange.headers):
             try:
-                admitted = await self._decide_in_time(
+                admitted = await self._admit_in_time(
                     exchange, exchange.kind, exchange.identity, message.body, context
                 )
             except Refusal:
@@ -182,7 +182,8 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
             except Exception:
                 exchange.decision.refused(Code.INTERNAL_ERROR)
                 raise
-        answer = responses.admitted_body(admitted.body, admitted.headers, admitted.metadata)
+        expose_limit = exchange.policy.tenancy.expose_limit_header
+        answer = responses.admitted_body(admitted, expose_limit=expose_limit)
         if admitted.lease is not None:
             decision = exchange.decision
             self.completions.admitted(
@@ -199,7 +200,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
             )
         return answer, admitted
 
-    async def _decide_in_time(
+    async def _admit_in_time(
         self,
         exchange: _Exchange,
         kind: Kind,
@@ -222,7 +223,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
 
         timer = loop.call_later(SLOW_DECISION_S, ask_for_time)
         try:
-            admitted = await self._decide_and_hold(exchange, kind, identity, body)
+            admitted = await self._admit_and_hold(exchange, kind, identity, body)
         except asyncio.CancelledError:  # the stream is gone
             if extension is not None:
                 extension.cancel()
@@ -242,16 +243,18 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
                 raise
         return admitted
 
-    async def _decide_and_hold(
+    async def _admit_and_hold(
         self, exchange: _Exchange, kind: Kind, identity: Identity, body: bytes
     ) -> Admitted:
-        admitted = await self._admission.decide(
-            exchange.policy,
-            kind,
-            identity,
-            body,
-            exchange.decision,
-            exchange.headers.get(RETRY_TOKEN_HEADER, ""),
+        admitted = await self._admission.admit(
+            AdmissionRequest(
+                exchange.policy,
+                kind,
+                identity,
+                body,
+                exchange.decision,
+                exchange.headers.get(RETRY_TOKEN_HEADER, ""),
+            )
         )
         if admitted.lease is not None:
             self._keeper.hold(admitted.lease, admitted.growth)

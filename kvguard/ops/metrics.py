@@ -52,6 +52,7 @@ from enum import Enum
 
 from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
 
+from kvguard.admission.record import RequestOutcome
 from kvguard.config.schema import OTHER_TENANTS
 
 # Seconds: from the short decisions of small prompts, past the long counts of 32k-token ones,
@@ -65,8 +66,9 @@ QUEUE_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.
 # kvguard_admissions_total's outcome label, admission.record.Decision.outcome: admitted; refused
 # (kvguard answered with an error); shadow_refused (shadow mode: it would refuse, and let the
 # request through); cancelled (the stream ended before the answer went out).
-OUTCOMES = ("admitted", "refused", "shadow_refused", "cancelled")
-REFUSED_OUTCOMES = ("refused", "shadow_refused")  # kvguard_tenant_refusals_total's outcomes
+OUTCOMES = tuple(RequestOutcome)
+# kvguard_tenant_refusals_total's outcomes
+REFUSED_OUTCOMES = (RequestOutcome.REFUSED, RequestOutcome.SHADOW_REFUSED)
 
 
 class Merge(Enum):

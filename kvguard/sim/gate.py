@@ -24,20 +24,20 @@ its request decodes.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import itertools
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from kvguard.admission import decide
-from kvguard.admission.calibration import Calibration, Estimate, Growth
+from kvguard.admission import decide, sequence
+from kvguard.admission.calibration import Calibration, Estimate
 from kvguard.admission.capacity import PoolCapacity
 from kvguard.admission.engine import EngineFeedback
 from kvguard.admission.leases import GROW_INTERVAL_S, Lease, LeaseKeeper
 from kvguard.admission.outputs import Histogram, Observed, OutputLengths, Sampler
 from kvguard.admission.policy import known
-from kvguard.admission.promises import retry_key, terms
+from kvguard.admission.record import ReservedFrom
+from kvguard.admission.sequence import Asked, DecisionSequence, Wait
 from kvguard.config.schema import Config
 from kvguard.errors import Code, Refusal
 from kvguard.ledger import Claim, Reservation
@@ -98,7 +98,6 @@ class PolicyGate:
         self.ledger = MemoryLedger(clock=clock)
         self.held = 0  # blocks the open leases reserve, as the ledger counts them
         self._clock = clock
-        self._ids = itertools.count()
         self.calibration = None
         if calibrated:
             outputs = OutputLengths(self.pool.reservation.window_seconds)
@@ -107,8 +106,15 @@ class PolicyGate:
         # decode rate; its trust and unaccounted blocks are read only in calibrated mode).
         self.feedback = self.calibration.engine if self.calibration else EngineFeedback()
         self._counted: dict[str, int] = {}  # lease id -> blocks the ledger counts (grown)
-        # Promises, as serve makes them: seeded jitter.
-        self._rng = random.Random(seed)
+        ids = itertools.count()
+        # Claims as serve builds them; promises with seeded jitter.
+        self.decisions = DecisionSequence(
+            _FOREVER_S,
+            self.calibration,
+            decode_rate=self.feedback.decode_rate,
+            rng=random.Random(seed),
+            lease_ids=lambda: f"sim-{next(ids)}",
+        )
         self._queued: dict[str, float] = {}  # uid -> when its wait in the pool's queue ends
         # Block-seconds that blocks held for other tenants' retries (or any not counted by the
         # ledger's answer) kept a request that fits beside the leases refused, until it was
@@ -160,17 +166,12 @@ class PolicyGate:
         counted = decide.Counted("completion", sent, [request.prompt_tokens])
         now = self._clock()
         self._decided_again(uid, now)
-        estimate = None
+        asked = Asked(self.pool, identity, counted, self.capacity, now, self.shadow, uid.encode())
+        oracle = None
         if reserve_output is not None:
-            estimate = Estimate(reserve_output, "oracle")
-        elif self.calibration is not None:
-            estimate = self.calibration.estimate(
-                self.pool, identity.tier_name, identity.tier, identity.tenant, now
-            )
+            oracle = Estimate(reserve_output, ReservedFrom.ORACLE)
         try:
-            plan = decide.plan(
-                counted, self.pool, identity.tenant, identity.tier, self.capacity, estimate
-            )
+            plan = self.decisions.plan(asked, oracle)
         except Refusal as refusal:
             if decide.passes_in_shadow(self.shadow, refusal.code):
                 return self._shadowed(identity.tier_name, request, refusal.code)
@@ -178,34 +179,17 @@ class PolicyGate:
         limits = plan.limits
         reservation = None
         try:
-            unaccounted = 0
-            if self.calibration is not None:
-                unaccounted = self.calibration.engine.unaccounted(self.pool.name)
-            promise = None
-            if not self.shadow:
-                promise = terms(self.pool, self._rng)
-            key = retry_key(identity.tenant, uid.encode()) if promise is not None else ""
-            claim = decide.claim(
-                plan,
-                f"sim-{next(self._ids)}",
-                _FOREVER_S,
-                unaccounted,
-                retry_key=key,
-                terms=promise,
-                decode_rate=self.feedback.decode_rate(self.pool.name),
-            )
+            claim = self.decisions.claim(asked, plan)
             queued_until = self._queued.pop(uid, None) if final else self._queued.get(uid)
-            possible = claim.blocks <= claim.pool_limit and claim.blocks <= claim.tenant_quota
-            queue_s = 0.0 if self.shadow or not possible else self.pool.queue.max_wait_seconds
+            queue_s = 0.0 if final else sequence.queue_seconds(claim, self.pool, self.shadow)
             if final and queued_until is None:  # a promise's wait ended: told when
-                claim = dataclasses.replace(claim, retry_key="")
-            # Queued, it is promised nothing; its last try has the claim's terms.
-            asked = dataclasses.replace(claim, terms=None) if queue_s > 0 and not final else claim
-            reservation = await self.ledger.reserve(asked)
+                claim = sequence.told(claim)
+            # Its last try, after a wait, has the claim's terms.
+            reservation = await self.ledger.reserve(sequence.first_ask(claim, queue_s))
             refused = decide.refusal(reservation, claim)
             if refused is not None:
                 await self._refused(uid, claim, reservation, now)
-                if reservation.waiting_s <= 0 and queue_s > 0 and not final:
+                if sequence.wait_after(reservation, queue_s > 0) is Wait.QUEUE:
                     # Into the queue (or still in it) until its wait ends.
                     until = self._queued.setdefault(uid, now + queue_s)
                     return Verdict(identity.tier_name, limits.max_tokens, limits.clamped,
@@ -218,7 +202,9 @@ class PolicyGate:
                 return self._shadowed(identity.tier_name, request, refusal.code)
             # Back at its promise's time, its held blocks not all free yet: it waits, as serve
             # does (`wait_s`), else it is answered.
-            waiting_s = reservation.waiting_s if reservation is not None else 0.0
+            waiting_s = 0.0
+            if reservation is not None and sequence.wait_after(reservation, False) is Wait.PROMISE:
+                waiting_s = reservation.waiting_s
             return Verdict(
                 identity.tier_name,
                 limits.max_tokens,
@@ -233,16 +219,7 @@ class PolicyGate:
         observed = False
         if self.calibration is not None:
             observed = self._sampler.pick(uid)
-        growth = Growth(
-            self.pool.name,
-            (request.prompt_tokens,),
-            1,
-            self.capacity.block_size,
-            limits.max_tokens,
-            plan.reserved_output,
-            now,
-            estimate,
-        )
+        growth = sequence.growth(asked, plan)
         self.keeper.hold(lease, growth)
         return Verdict(
             identity.tier_name, limits.max_tokens, limits.clamped, lease=lease, observed=observed

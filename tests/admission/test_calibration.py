@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from kvguard.admission import decide
+from kvguard.admission.admit import AdmissionRequest
 from kvguard.admission.calibration import MAX_SAMPLES, Calibration, Estimate, Window
 from kvguard.admission.capacity import PoolCapacity
 from kvguard.admission.engine import MAX_QUIET_S, RELAX_PER_S, EngineView, Overcommit
@@ -462,7 +463,9 @@ async def admit(config: Config, calibration: Calibration | None, tenant: str, **
     decision = Decision()
     identity = identify_request(policy, {config.tenancy.header: tenant})
     raw = json.dumps({"model": MODEL, "prompt": "x", **body}).encode()
-    admitted = await admission.decide(policy, "completion", identity, raw, decision)
+    admitted = await admission.admit(
+        AdmissionRequest(policy, "completion", identity, raw, decision)
+    )
     return admitted, decision, ledger
 
 
@@ -471,9 +474,8 @@ async def test_a_calibrated_pool_reserves_the_prompt_and_the_estimate() -> None:
     calibration = Calibration()
     fed(calibration, config.pools[0], "pro", "a", 10, 20, 30)
     admitted, decision, ledger = await admit(config, calibration, "a")
-    assert admitted.headers["x-kvguard-blocks"] == str(math.ceil((40 + 30) / BLOCK)) == "5"
-    assert admitted.headers["x-kvguard-reserved-output"] == "30"
-    assert admitted.metadata["reserved_output"] == "30"
+    assert admitted.blocks == math.ceil((40 + 30) / BLOCK) == 5
+    assert admitted.reserved_output == 30
     assert admitted.blocks == admitted.lease.blocks == 5
     assert (await ledger.usage("p")).tenants == {"a": 5}
     assert json.loads(admitted.body)["max_tokens"] == 256  # the tier default, as in worst case
@@ -493,16 +495,16 @@ async def test_another_tenant_of_the_tier_reserves_the_tiers_estimate() -> None:
     fed(calibration, config.pools[0], "pro", "a", 10, 20, 30)
     admitted, decision, _ = await admit(config, calibration, "b", n=2)
     assert decision.reserved_from == "tier"
-    assert admitted.headers["x-kvguard-reserved-output"] == "30"
-    assert admitted.headers["x-kvguard-blocks"] == "10"  # two sequences
+    assert admitted.reserved_output == 30
+    assert admitted.blocks == 10  # two sequences
     assert admitted.sequences == 2 and admitted.growth is not None and admitted.growth.n == 2
 
 
 async def test_a_calibrated_pool_without_samples_reserves_the_whole_limit() -> None:
     config = config_of(pool())
     admitted, decision, _ = await admit(config, Calibration(), "a", max_tokens=100)
-    assert admitted.headers["x-kvguard-reserved-output"] == "100"
-    assert admitted.headers["x-kvguard-blocks"] == str(math.ceil(140 / BLOCK))
+    assert admitted.reserved_output == 100
+    assert admitted.blocks == math.ceil(140 / BLOCK)
     assert admitted.growth is not None and not admitted.growth.grows  # its end is followed
     assert admitted.body is None
     assert decision.reserved_from == "worst_case"
@@ -513,7 +515,7 @@ async def test_a_request_that_ignores_eos_reserves_its_whole_limit() -> None:
     calibration = Calibration()
     fed(calibration, config.pools[0], "pro", "a", 10, 20, 30)
     admitted, decision, _ = await admit(config, calibration, "a", ignore_eos=True)
-    assert admitted.headers["x-kvguard-reserved-output"] == "256"
+    assert admitted.reserved_output == 256
     assert admitted.growth is not None and not admitted.growth.grows
     assert decision.reserved_from == "worst_case"
 
@@ -525,9 +527,8 @@ async def test_a_worst_case_pool_reserves_max_tokens(learnt: bool) -> None:
     if learnt:
         fed(calibration, config.pools[0], "pro", "a", 10, 20, 30)
     admitted, decision, ledger = await admit(config, calibration, "a", max_tokens=300)
-    assert admitted.headers["x-kvguard-reserved-output"] == "300"
-    assert admitted.metadata["reserved_output"] == "300"
-    assert admitted.headers["x-kvguard-blocks"] == str(math.ceil(340 / BLOCK)) == "22"
+    assert admitted.reserved_output == 300
+    assert admitted.blocks == math.ceil(340 / BLOCK) == 22
     assert admitted.growth is not None and not admitted.growth.grows
     assert (decision.reserved_output, decision.reserved_from) == (300, "worst_case")
     assert (await ledger.usage("p")).reserved == 22

@@ -24,7 +24,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from kvguard.admission import decide
-from kvguard.admission.admit import Admission, AdmissionSettings
+from kvguard.admission.admit import Admission, AdmissionRequest, AdmissionSettings
 from kvguard.admission.calibration import Calibration, Estimate
 from kvguard.admission.capacity import Capacities, PoolCapacity
 from kvguard.admission.leases import Lease
@@ -229,8 +229,9 @@ async def both_decide(
         decision = Decision()
         try:
             identity = identify_request(policy, {config.tenancy.header: step.tenant})
-            admitted = await admission.decide(
-                policy, "completion", identity, json.dumps(body).encode(), decision
+            raw = json.dumps(body).encode()
+            admitted = await admission.admit(
+                AdmissionRequest(policy, "completion", identity, raw, decision)
             )
         except Refusal as refusal:
             assert verdict.refused == refusal.code.value, (step, refusal.message)
