@@ -46,7 +46,10 @@ from kvguard.ledger.freed import FreedSubscription
 from kvguard.ledger.scripts import (
     REPLICAS_KEY,
     SCRIPT_NAMES,
+    LeasesAnswer,
+    ReassertAnswer,
     ReserveAnswer,
+    UsageAnswer,
     all_keys,
     load_script,
     pool_keys,
@@ -332,29 +335,36 @@ class RedisLedger:
                 args: list[Any] = [_ms(lease_seconds)]
                 for lease in held[start : start + LEASES_PER_CALL]:
                     args += [lease.lease_id, lease.tenant, lease.blocks, _ends_arg(lease.ends_in_s)]
-                count, _reserved, epoch = await self._run("reassert", all_keys(pool), args)
-                added += int(count)
+                answer = ReassertAnswer.from_script(
+                    await self._run("reassert", all_keys(pool), args)
+                )
+                added += int(answer.added)
                 # Not a reset to report: this very call has just re-asserted the leases.
-                self._epochs[pool] = _text(epoch)
+                self._epochs[pool] = _text(answer.epoch)
         return added
 
     async def usage(self, pool: str) -> PoolUsage:
-        reserved, leases, flat, promised, promises, holding = await self._run(
-            "usage", all_keys(pool), ()
-        )
+        answer = UsageAnswer.from_script(await self._run("usage", all_keys(pool), ()))
+        flat = answer.tenants
         tenants = {_text(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
         return PoolUsage(
-            int(reserved), int(leases), tenants, int(promised), int(promises), int(holding)
+            int(answer.reserved),
+            int(answer.leases),
+            tenants,
+            int(answer.promised),
+            int(answer.promises),
+            int(answer.holding),
         )
 
     async def leases(self, pool: str) -> list[LeaseInfo]:
-        now_ms, flat = await self._run("leases", all_keys(pool), ())
+        answer = LeasesAnswer.from_script(await self._run("leases", all_keys(pool), ()))
+        flat = answer.leases
         out = []
         for i in range(0, len(flat), 3):
             lease_id, value, expiry_ms = _text(flat[i]), _text(flat[i + 1]), int(flat[i + 2])
             blocks, _, tenant = value.partition(":")
             lease = Lease(lease_id, pool, tenant, int(blocks))
-            out.append(LeaseInfo(lease, (expiry_ms - int(now_ms)) / 1000))
+            out.append(LeaseInfo(lease, (expiry_ms - int(answer.now)) / 1000))
         return out
 
     async def check(self, pools: Iterable[str]) -> None:

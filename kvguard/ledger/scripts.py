@@ -1,4 +1,4 @@
-"""The Lua scripts of the Redis ledger, the keys they take, and reserve's answer.
+"""The Lua scripts of the Redis ledger, the keys they take, and the answers read by name.
 
 Each script is package data (kvguard/ledger/lua/NAME.lua), expanded with its `--#include` lines
 (lib.lua) and named by its SHA1 for EVALSHA; every key of a pool is hash-tagged `{pool}`, so a
@@ -131,3 +131,47 @@ class ReserveAnswer(NamedTuple):
             waiting_s=int(self.waiting) / 1000,
             holding=int(self.held),
         )
+
+
+class UsageAnswer(NamedTuple):
+    """usage.lua's answer, its slots in this order (the `Returns` of usage.lua's header), as
+    Redis returns them: integers, amounts in blocks."""
+
+    reserved: int  # the pool's reserved blocks; promised blocks not included
+    leases: int  # how many leases the pool holds
+    tenants: Sequence[Any]  # flat: tenant (bytes or text), its reserved blocks, tenant, ...
+    promised: int  # blocks promised, not in `reserved`
+    promises: int  # how many promises the pool holds
+    holding: int  # of the promised blocks, those held for retries that came back
+
+    @classmethod
+    def from_script(cls, answer: Sequence[Any]) -> UsageAnswer:
+        """As ReserveAnswer.from_script."""
+        return cls._make(answer)
+
+
+class ReassertAnswer(NamedTuple):
+    """reassert.lua's answer, its slots in this order (the `Returns` of reassert.lua's header),
+    as Redis returns them: integers, and the epoch as bytes or text."""
+
+    added: int  # leases recorded again (the others were held, and renewed)
+    reserved: int  # the pool's reserved blocks after this step
+    epoch: Any  # the pool's epoch
+
+    @classmethod
+    def from_script(cls, answer: Sequence[Any]) -> ReassertAnswer:
+        """As ReserveAnswer.from_script."""
+        return cls._make(answer)
+
+
+class LeasesAnswer(NamedTuple):
+    """leases.lua's answer, its slots in this order (the `Returns` of leases.lua's header), as
+    Redis returns them."""
+
+    now: int  # ms of Redis TIME
+    leases: Sequence[Any]  # flat: lease id, "<blocks>:<tenant>", expiry (ms of Redis TIME), ...
+
+    @classmethod
+    def from_script(cls, answer: Sequence[Any]) -> LeasesAnswer:
+        """As ReserveAnswer.from_script."""
+        return cls._make(answer)
