@@ -63,14 +63,18 @@ class Service:
     ) -> None:
         self.config = config
         self._resolve = resolver  # DNS: discovery's vLLM Services and the replica_service
+        self._started = False  # from start() on, each policy's pools are subscribed to
+        self._stopping = False
+        self._tasks: list[asyncio.Task[None]] = []
         self.providers = providers or telemetry.setup(config.server)
         self.metrics = Metrics(self.providers.meter_provider)
         self.telemetry = telemetry.Telemetry(self.metrics, self.providers.tracer_provider)
         self.health = Health(ledger_required=config.ledger.on_unavailable == "reject")
-        self._tokenizers: policies.TokenizerCache = {}
         self.capacities = Capacities()
         # Requests that wait for blocks, in pools with a queue; woken by what frees blocks:
-        # releases (the keeper's), capacity readings and policy changes.
+        # releases (the keeper's and, through Redis, the other replicas'), capacity readings
+        # and policy changes. It reads the keeper late: the keeper needs the ledger, which wakes
+        # this queue, and so comes after both.
         self.queue = AdmissionQueue(
             lambda pool, tenant: self.keeper.held_blocks(pool, tenant),
             lambda lease: self.keeper.give_back(lease),
@@ -78,8 +82,20 @@ class Service:
         )
         self.capacities.subscribe(self.queue.notify)
         self.capacities.subscribe(lambda: self.health.set("capacity", self.capacities.any_known()))
-        self._started = False  # from start() on, each policy's pools are subscribed to
+
+        self._tokenizers: policies.TokenizerCache = {}
         self.publish(policies.build(config, self._tokenizers))
+        self.health.set("tokenizers", True)
+        self._watcher = None
+        if config_path is not None:
+            self._watcher = PolicyWatcher(
+                config_path,
+                self._load,
+                self.publish,
+                self.metrics.record_reload,
+                reload_interval_s,
+            )
+
         # Pools with capacity.endpoints or .service: read from vLLM's /metrics, refreshed (see
         # start()), which also teaches what their requests produce.
         self.outputs = OutputLengths()
@@ -93,18 +109,7 @@ class Service:
             on_read=self.queue.notify,
             resolver=resolver,
         )
-        self.health.set("tokenizers", True)
-        self._watcher = None
-        if config_path is not None:
-            self._watcher = PolicyWatcher(
-                config_path,
-                self._load,
-                self.publish,
-                self.metrics.record_reload,
-                reload_interval_s,
-            )
-        self._tasks: list[asyncio.Task[None]] = []
-        self._stopping = False
+
         self.health.set("ledger", True)  # until a Redis ledger finds Redis unreachable
         replicas = config.ledger.replicas
         # What `on_unavailable: local` divides the pool by: Redis's heartbeats and the
@@ -119,20 +124,21 @@ class Service:
             replicas=self.replicas,
             lease_seconds=config.ledger.lease_seconds,
             on_reachability=lambda reachable: self.health.set("ledger", reachable),
+            # The keeper's, read late: it is built next, on this ledger (a real cycle).
             open_leases=lambda: self.keeper.snapshot(),
             on_error=self.metrics.record_ledger_error,
             # Releases by the other replicas, through Redis (this process's come from the keeper).
             on_freed=self.queue.notify,
         )
-        self.counter = PromptCounter()
         self.keeper = LeaseKeeper(
             self.ledger,
             config.ledger.lease_seconds,
             decode_rate=self.discovery.decode_rate,
             trust=self.calibration.engine.trust,
-            on_released=lambda pool: self.queue.notify(pool),
+            on_released=self.queue.notify,
         )
 
+        self.counter = PromptCounter()
         self.admission = Admission(
             self.ledger,
             self.counter,
@@ -309,12 +315,15 @@ def allocator() -> str:
     return "jemalloc" if "libjemalloc" in maps else "system"
 
 
-async def serve(config: Config, config_path: Path) -> None:
+async def serve(config: Config, config_path: Path, report_fd: int | None = None) -> None:
+    """Serve until SIGTERM or SIGINT. `report_fd`: in a worker of server.workers > 1 serving
+    metrics, the pipe its supervisor reads the exposition's port from (kvguard.ops.workers)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    service = Service(config, config_path=config_path)
+    providers = telemetry.setup(config.server, report_fd)
+    service = Service(config, config_path=config_path, providers=providers)
     # What is loaded by now (modules, tokenizers, templates) lives as long as the process. Out
     # of the collector's sight, it adds nothing to the full collections that every request in
     # flight waits for.

@@ -105,7 +105,7 @@ def _serve(path: str) -> int:
         # The supervisor serves metrics_listen for the pod; each worker, loopback only.
         return supervise(
             config.server.workers,
-            lambda _: _serve_worker(config, Path(path)),
+            lambda _, report_fd: _serve_worker(config, Path(path), report_fd),
             config.server.metrics_listen,
         )
     except OSError as exc:  # metrics_listen taken
@@ -113,7 +113,7 @@ def _serve(path: str) -> int:
         return 1
 
 
-def _serve_worker(config: configs.Config, path: Path) -> int:
+def _serve_worker(config: configs.Config, path: Path, report_fd: int | None = None) -> int:
     # Imported here, after any fork: gRPC, its threads and the tokenizers must start fresh.
     from kvguard.ops.grpc_io import io_on_polling_thread
 
@@ -123,7 +123,7 @@ def _serve_worker(config: configs.Config, path: Path) -> int:
     from kvguard.app import serve
 
     try:
-        uvloop.run(serve(config, path))
+        uvloop.run(serve(config, path, report_fd))
     except (OSError, ValueError) as exc:  # a port taken, a tokenizer or ledger URL unusable
         print(f"error: {path}: {exc}", file=sys.stderr)
         return 1

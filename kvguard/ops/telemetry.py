@@ -113,14 +113,15 @@ class Providers:
             self.tracer_provider.shutdown()
 
 
-def setup(settings: ServerSettings) -> Providers:
-    """Prometheus exposition at metrics_listen (in a worker of server.workers > 1: on loopback,
-    for the supervisor to merge), OTLP (gRPC) to otlp_endpoint, when set."""
+def setup(settings: ServerSettings, report_fd: int | None = None) -> Providers:
+    """Prometheus exposition at metrics_listen (in a worker of server.workers > 1, `report_fd`
+    given: on loopback, its port announced there for the supervisor to merge), OTLP (gRPC) to
+    otlp_endpoint, when set."""
     resource = Resource.create({"service.name": "kvguard", "service.version": __version__})
     readers: list[MetricReader] = []
     port, server = None, None
     # A supervised worker serves on loopback; its supervisor serves metrics_listen.
-    listen = worker_metrics.listen_address(settings.metrics_listen)
+    listen = worker_metrics.listen_address(settings.metrics_listen, report_fd)
     if listen:
         registry = CollectorRegistry()
         # No otel_scope_* labels: the series carry exactly the documented labels.
@@ -128,7 +129,7 @@ def setup(settings: ServerSettings) -> Providers:
         host, _, wanted = listen.rpartition(":")
         server, _ = start_http_server(int(wanted), addr=host or "0.0.0.0", registry=registry)
         port = int(server.server_address[1])
-        worker_metrics.announce(port)
+        worker_metrics.announce(report_fd, port)
     tracer_provider = None
     if settings.otlp_endpoint:
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter

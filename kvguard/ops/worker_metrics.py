@@ -1,12 +1,11 @@
 """server.workers > 1: a worker's side of the pod's one Prometheus endpoint, and its report.
 
 A supervised worker serves its own exposition on an ephemeral loopback port (`listen_address`)
-and writes that port to a pipe its supervisor made before the fork (`report_port_to`,
-`announce`); the supervisor reads it from its end (`read_port`: the pipe's format stays in
-this one module), then the exposition on that port (kvguard.ops.pod_endpoint). The supervisor
-calls `report_port_to` in the worker it has just forked, before the worker runs anything else,
-and telemetry.setup reads what it set: state of the worker process, as the worker's serve
-(kvguard.app) is not handed the pipe.
+and writes that port to a pipe its supervisor made before the fork (`announce`); the supervisor
+reads it from its end (`read_port`: the pipe's format stays in this one module), then the
+exposition on that port (kvguard.ops.pod_endpoint). The pipe's write end, `report_fd`, is handed
+down from the supervisor to the worker's serve (kvguard.app) and on to telemetry.setup; it is
+None in a process that no supervisor with metrics_listen started.
 """
 
 from __future__ import annotations
@@ -15,31 +14,23 @@ import os
 
 LOOPBACK = "127.0.0.1"
 
-_report_fd: int | None = None  # in a supervised worker: the pipe its port goes to
 
-
-def report_port_to(fd: int) -> None:
-    """In a worker, just forked: serve metrics on loopback and announce the port on `fd`."""
-    global _report_fd
-    _report_fd = fd
-
-
-def listen_address(configured: str) -> str:
+def listen_address(configured: str, report_fd: int | None) -> str:
     """Where this process serves Prometheus: an ephemeral loopback port in a supervised worker
-    (the supervisor serves `configured` for the pod), else `configured` ("" for none)."""
-    return f"{LOOPBACK}:0" if configured and _report_fd is not None else configured
+    (`report_fd` given: the supervisor serves `configured` for the pod), else `configured` (""
+    for none)."""
+    return f"{LOOPBACK}:0" if configured and report_fd is not None else configured
 
 
-def announce(port: int) -> None:
-    """Tell the supervisor, if there is one, which port this worker's exposition is on."""
-    global _report_fd
-    if _report_fd is None:
+def announce(report_fd: int | None, port: int) -> None:
+    """Tell the supervisor, if there is one, which port this worker's exposition is on, and
+    close `report_fd`: call it once."""
+    if report_fd is None:
         return
     try:
-        os.write(_report_fd, f"{port}\n".encode())
+        os.write(report_fd, f"{port}\n".encode())
     finally:
-        os.close(_report_fd)
-        _report_fd = None
+        os.close(report_fd)
 
 
 def read_port(fd: int) -> int | None:

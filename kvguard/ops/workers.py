@@ -38,15 +38,21 @@ RESTART_WINDOW_S = 60.0
 _HELD_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGCHLD}
 
 
-def supervise(workers: int, run_worker: Callable[[int], int], metrics_listen: str = "") -> int:
-    """Fork `workers` processes running `run_worker(index)`; returns the exit status. OSError
-    when metrics_listen cannot be bound (before any worker starts)."""
+def supervise(
+    workers: int, run_worker: Callable[[int, int | None], int], metrics_listen: str = ""
+) -> int:
+    """Fork `workers` processes running `run_worker(index, report_fd)`; returns the exit status.
+    `report_fd`, with metrics_listen set, is the pipe the worker announces its exposition's
+    port on (kvguard.ops.worker_metrics), else None. OSError when metrics_listen cannot be
+    bound (before any worker starts)."""
     endpoint = PodEndpoint(metrics_listen) if metrics_listen else None
     return _Supervisor(run_worker, endpoint).run(workers)
 
 
 class _Supervisor:
-    def __init__(self, run_worker: Callable[[int], int], endpoint: PodEndpoint | None) -> None:
+    def __init__(
+        self, run_worker: Callable[[int, int | None], int], endpoint: PodEndpoint | None
+    ) -> None:
         self._run_worker = run_worker
         self._endpoint = endpoint
         self._children: dict[int, int] = {}  # pid -> worker index
@@ -151,8 +157,7 @@ class _Supervisor:
             self._close_in_worker()
             if report is not None:
                 os.close(report[0])  # the supervisor's end of this worker's own pipe
-                worker_metrics.report_port_to(report[1])
-            code = self._run_worker(index)
+            code = self._run_worker(index, report[1] if report is not None else None)
         finally:
             logs.stop()  # os._exit runs no atexit hook: write what is queued first
             os._exit(code)

@@ -58,7 +58,7 @@ def test_a_stop_between_two_forks_stops_every_worker() -> None:
 
         logs.writer_stopped = stopped_before_the_second_fork
 
-        def wait_for_the_stop(index):
+        def wait_for_the_stop(index, _report_fd):
             while True:
                 signal.pause()
 
@@ -90,7 +90,7 @@ def test_a_stop_that_reaches_a_worker_at_its_fork_is_the_workers() -> None:
 
         os.register_at_fork(before=counted, after_in_child=stop_the_second_fork)
 
-        def run(index):
+        def run(index, _report_fd):
             print(f"worker {index} of fork {forks}", flush=True)
             if forks == 3:  # the worker started again stops the supervisor
                 os.kill(os.getppid(), signal.SIGTERM)
@@ -111,7 +111,7 @@ def test_a_worker_keeps_only_its_own_end_of_its_report_pipe() -> None:
     done = supervised(
         """
         import os, signal, sys
-        from kvguard.ops import worker_metrics, workers
+        from kvguard.ops import workers
 
         def ends_of(target):
             ends = 0
@@ -122,8 +122,8 @@ def test_a_worker_keeps_only_its_own_end_of_its_report_pipe() -> None:
                     pass
             return ends
 
-        def run(index):
-            pipe = os.readlink(f"/proc/self/fd/{worker_metrics._report_fd}")
+        def run(index, report_fd):
+            pipe = os.readlink(f"/proc/self/fd/{report_fd}")
             print(f"{pipe} {ends_of(pipe)}", flush=True)
             os.kill(os.getppid(), signal.SIGTERM)
             while True:

@@ -164,7 +164,7 @@ async def test_a_taken_metrics_listen_fails_before_any_worker_starts(tmp_path: P
 def test_workers_that_keep_dying_stop_the_supervisor_with_1() -> None:
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        assert supervise(2, lambda _: 3) == 1  # each worker exits 3 at once
+        assert supervise(2, lambda _, __: 3) == 1  # each worker exits 3 at once
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
