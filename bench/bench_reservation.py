@@ -31,7 +31,14 @@ from kvguard.admission.capacity import Capacities, PoolCapacity  # noqa: E402
 from kvguard.admission.leases import LeaseKeeper  # noqa: E402
 from kvguard.admission.policy import Policy, PoolPolicy, identify_request  # noqa: E402
 from kvguard.admission.record import Decision  # noqa: E402
-from kvguard.config.schema import Capacity, Config, Pool, Reservation, Tenancy, Tier  # noqa: E402
+from kvguard.config.schema import (  # noqa: E402
+    CapacityConfig,
+    Config,
+    PoolConfig,
+    ReservationConfig,
+    TenancyConfig,
+    TierConfig,
+)
 from kvguard.ledger import Claim  # noqa: E402
 from kvguard.ledger.memory import MemoryLedger  # noqa: E402
 from kvguard.tokens.counting import PromptCounter  # noqa: E402
@@ -48,16 +55,16 @@ class GivenCount:
 
 
 def config(mode: str) -> Config:
-    tier = Tier(max_tokens_cap=1024, default_max_tokens=1024, max_blocks=10**9)
-    pool = Pool(
+    tier = TierConfig(max_tokens_cap=1024, default_max_tokens=1024, max_blocks=10**9)
+    pool = PoolConfig(
         name="p",
         models=[MODEL],
         tokenizer="/models/p",
         max_model_len=8192,
-        capacity=Capacity(blocks=10**9, block_size=16),
-        reservation=Reservation(mode=mode),  # type: ignore[arg-type]
+        capacity=CapacityConfig(blocks=10**9, block_size=16),
+        reservation=ReservationConfig(mode=mode),  # type: ignore[arg-type]
     )
-    return Config(tenancy=Tenancy(default_tier="chat", tiers={"chat": tier}), pools=[pool])
+    return Config(tenancy=TenancyConfig(default_tier="chat", tiers={"chat": tier}), pools=[pool])
 
 
 def admission(mode: str) -> tuple[Admission, Policy, Calibration]:

@@ -25,7 +25,7 @@ from kvguard.admission.engine import EngineFeedback
 from kvguard.admission.outputs import OutputLengths
 from kvguard.admission.record import Completion, ReservedFrom
 from kvguard.admission.sizing import blocks_needed
-from kvguard.config.schema import Pool, Tier
+from kvguard.config.schema import PoolConfig, TierConfig
 
 # Samples kept per pool and tier, and per tenant: the newest, within the window.
 MAX_SAMPLES = 2048
@@ -42,12 +42,12 @@ def ends_in_s(output_tokens: float, tokens_per_s: float | None) -> float:
     return max(0.0, output_tokens) / (tokens_per_s or DEFAULT_DECODE_RATE)
 
 
-def reservation_mode(pool: Pool, tier: Tier) -> str:
+def reservation_mode(pool: PoolConfig, tier: TierConfig) -> str:
     """The mode a tier's requests reserve by in `pool`: the tier's own, else the pool's."""
     return tier.reservation_mode or pool.reservation.mode
 
 
-def calibrated(pool: Pool, tiers: Iterable[Tier]) -> bool:
+def calibrated(pool: PoolConfig, tiers: Iterable[TierConfig]) -> bool:
     """Whether some of `tiers` reserves by the estimate in `pool`."""
     return any(reservation_mode(pool, tier) == "calibrated" for tier in tiers)
 
@@ -117,7 +117,7 @@ class Calibration:
         self._windows: dict[tuple[str, ...], Window] = {}
         self._observed = 0
 
-    def learn(self, pool: Pool | None, completion: Completion, at: float) -> None:
+    def learn(self, pool: PoolConfig | None, completion: Completion, at: float) -> None:
         """Learn what a released lease's request produced, per sequence, where it is known
         (`pool`: its pool in the policy of now; None when the policy no longer has it)."""
         if completion.completion_tokens is None or pool is None:
@@ -125,7 +125,7 @@ class Calibration:
         tokens = -(-completion.completion_tokens // max(1, completion.sequences))
         self.observe(pool, completion.tier, completion.tenant, tokens, at)
 
-    def observe(self, pool: Pool, tier: str, tenant: str, tokens: int, at: float) -> None:
+    def observe(self, pool: PoolConfig, tier: str, tenant: str, tokens: int, at: float) -> None:
         """One completion of `tenant` (of `tier`) in `pool` produced `tokens` per sequence."""
         window_s = pool.reservation.window_seconds
         for key in ((pool.name, tier), (pool.name, tier, tenant)):
@@ -150,7 +150,7 @@ class Calibration:
         return len(window) if window is not None else 0
 
     def estimate(
-        self, pool: Pool, tier_name: str, tier: Tier, tenant: str, at: float
+        self, pool: PoolConfig, tier_name: str, tier: TierConfig, tenant: str, at: float
     ) -> Estimate | None:
         """What a request of `tenant` reserves per sequence, before its limit caps it; None to
         reserve the whole limit (worst-case mode, or too few samples yet)."""
@@ -164,7 +164,7 @@ class Calibration:
         return Estimate(tokens, source, trust, settings.min_tokens)
 
     def _learnt(
-        self, pool: Pool, tier: str, tenant: str, at: float
+        self, pool: PoolConfig, tier: str, tenant: str, at: float
     ) -> tuple[int | None, ReservedFrom]:
         settings = pool.reservation
         for window, source in (

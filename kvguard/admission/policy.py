@@ -15,7 +15,7 @@ from pathlib import Path
 from kvguard.admission.calibration import DEFAULT_DECODE_RATE, calibrated
 from kvguard.admission.capacity import PoolCapacity, pool_limit
 from kvguard.admission.sizing import blocks_needed, clamp
-from kvguard.config.schema import Config, Pool, Tenancy, Tier
+from kvguard.config.schema import Config, PoolConfig, TenancyConfig, TierConfig
 from kvguard.errors import Code, Refusal
 from kvguard.tokens import messages_api
 from kvguard.tokens.tokenizer import PoolTokenizer
@@ -23,7 +23,7 @@ from kvguard.tokens.tokenizer import PoolTokenizer
 
 @dataclass(frozen=True, slots=True)
 class PoolPolicy:
-    config: Pool
+    config: PoolConfig
     tokenizer: PoolTokenizer
     static_capacity: PoolCapacity | None  # None when capacity is discovered from endpoints
 
@@ -36,23 +36,23 @@ class PoolPolicy:
 class Identity:
     tenant: str
     tier_name: str
-    tier: Tier
+    tier: TierConfig
 
 
 @dataclass(frozen=True, slots=True)
 class Policy:
-    tenancy: Tenancy
+    tenancy: TenancyConfig
     shadow: bool
     pools: dict[str, PoolPolicy]  # by pool name
     by_model: dict[str, PoolPolicy]  # by request "model" value
 
-    def pool_config(self, name: str) -> Pool | None:
+    def pool_config(self, name: str) -> PoolConfig | None:
         """The configuration of pool `name`; None when this policy has no such pool."""
         pool = self.pools.get(name)
         return pool.config if pool is not None else None
 
 
-def known(tenancy: Tenancy, tenant: str) -> Identity:
+def known(tenancy: TenancyConfig, tenant: str) -> Identity:
     """The tenant's tier in `tenancy` (the default tier for an unmapped one); refused with 401
     unknown_tenant when there is none."""
     tier_name = tenancy.tier_of(tenant)
@@ -112,7 +112,7 @@ def build(config: Config, tokenizers: TokenizerCache | None = None) -> Policy:
     return Policy(config.tenancy, config.shadow, pools, by_model)
 
 
-def tokenizer_key(pool: Pool) -> TokenizerKey:
+def tokenizer_key(pool: PoolConfig) -> TokenizerKey:
     """The pool's tokenizer paths as configured and the identity of each file loading reads."""
     files = PoolTokenizer.files(pool.tokenizer, pool.chat_template)
     return (pool.tokenizer, pool.chat_template, tuple(_identity(path) for path in files))

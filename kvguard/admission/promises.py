@@ -17,7 +17,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from kvguard.config.schema import Pool
+from kvguard.config.schema import PoolConfig
 from kvguard.ledger import Terms
 
 # The client's retry time is spread over this many seconds after its slot, so that clients
@@ -41,7 +41,7 @@ def retry_key(tenant: str, body: bytes, token: str = "") -> str:
     return digest.hexdigest()
 
 
-def terms(pool: Pool, rng: random.Random) -> Terms | None:
+def terms(pool: PoolConfig, rng: random.Random) -> Terms | None:
     """The terms a refusal in `pool` is promised a slot by; None when the pool makes no
     promises."""
     if pool.retry_after_max_seconds <= 0:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvguard.config.schema import Tier
+from kvguard.config.schema import TierConfig
 from kvguard.errors import Code, Refusal, invalid
 from kvguard.tokens.request import LIMIT_FIELDS, PROMPT_FIELD, Kind
 
@@ -23,7 +23,7 @@ class Limits:
 def clamp(
     kind: Kind,
     sent: dict[str, int],
-    tier: Tier,
+    tier: TierConfig,
     max_model_len: int,
     longest_prompt: int,
     min_tokens: int = 0,

@@ -25,7 +25,7 @@ from kvguard.config.schema import (
     Config,
     Key,
     LedgerSettings,
-    Pool,
+    PoolConfig,
     Problems,
     ServerSettings,
 )
@@ -309,7 +309,7 @@ def parse(text: str, source: str, environ: dict[str, str] | None = None) -> Conf
     return config.model_copy(update={"pools": [_resolve_paths(p, base) for p in config.pools]})
 
 
-def _resolve_paths(pool: Pool, base: Path) -> Pool:
+def _resolve_paths(pool: PoolConfig, base: Path) -> PoolConfig:
     """Tokenizer and template paths are relative to the configuration file."""
     update: dict[str, str] = {"tokenizer": str(base / pool.tokenizer)}
     if pool.chat_template:

@@ -16,22 +16,15 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from kvguard.config.addresses import DNS_NAME, check_authority, listen_port
 from kvguard.config.redact import redact
 
 PositiveInt = Annotated[int, Field(strict=True, gt=0)]
 
 # gRPC's message limits are twice max_body_bytes and a gRPC channel option is a C int.
 MAX_BODY_BYTES_LIMIT = (2**31 - 1) // 2
-# host:port, the host a name, an IPv4 address or a bracketed IPv6 address.
-_HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[\w.-]*):([0-9]{1,5})", re.ASCII)
 # How tenancy.api_keys lists a key: the lowercase hex sha256 of it.
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
-# A DNS name: dot-separated labels of letters, digits and inner hyphens.
-_DNS_NAME = re.compile(
-    r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?",
-    re.ASCII,
-)
-
 Key = tuple[str | int, ...]  # a path into the configuration, as pydantic locates errors
 
 
@@ -57,19 +50,6 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-def _listen_port(address: str, *, host_required: bool) -> int:
-    """The port of a `host:port` listen address (0: the kernel picks one); ValueError if it is
-    not one."""
-    match = _HOST_PORT.fullmatch(address)
-    if not match or (host_required and not match.group(1)):
-        form = "host:port" if host_required else "host:port or :port"
-        raise ValueError(f"{address!r} is not {form}")
-    port = int(match.group(2))
-    if port > 65535:
-        raise ValueError(f"{address!r}: the port must be from 0 to 65535")
-    return port
-
-
 class ServerSettings(_Strict):
     grpc_listen: str = "127.0.0.1:50051"
     metrics_listen: str = "127.0.0.1:9464"
@@ -86,14 +66,14 @@ class ServerSettings(_Strict):
     @field_validator("grpc_listen")
     @classmethod
     def _grpc_address(cls, value: str) -> str:
-        _listen_port(value, host_required=True)  # gRPC refuses an empty host
+        listen_port(value, host_required=True)  # gRPC refuses an empty host
         return value
 
     @field_validator("metrics_listen")
     @classmethod
     def _metrics_address(cls, value: str) -> str:
         if value:  # empty disables the exposition; an empty host means every interface
-            _listen_port(value, host_required=False)
+            listen_port(value, host_required=False)
         return value
 
     @field_validator("max_body_bytes")
@@ -130,7 +110,7 @@ class LedgerSettings(_Strict):
     @field_validator("replica_service")
     @classmethod
     def _dns_name(cls, name: str | None) -> str | None:
-        if name is not None and not _DNS_NAME.fullmatch(name):
+        if name is not None and not DNS_NAME.fullmatch(name):
             raise ValueError(
                 f"{name!r} is not a DNS name: give the headless Service's name, such as "
                 "kvguard-gateway-pods or kvguard-gateway-pods.ns.svc (no scheme, no port)"
@@ -143,7 +123,7 @@ class LedgerSettings(_Strict):
         # The messages quote nothing but a scheme: the rest of a URL may hold a password.
         scheme = url.split("://", 1)[0] if "://" in url else ""
         if scheme in ("redis", "rediss"):
-            _check_authority(url)
+            check_authority(url)
             if not re.fullmatch(r"/?([0-9]+)?", urllib.parse.urlsplit(url).path):
                 raise ValueError("the path must be a database number, such as /0")
         elif scheme != "memory":
@@ -154,29 +134,10 @@ class LedgerSettings(_Strict):
         return url
 
 
-def _check_authority(url: str) -> None:
-    """ValueError, quoting nothing, if `url`'s port is not one or an '@' follows its host: a
-    password with '/', '?' or '#' (not percent-encoded) spills out of the userinfo."""
-    parts = urllib.parse.urlsplit(url)
-    if "@" in url.partition("://")[2][len(parts.netloc) :]:
-        raise ValueError(
-            "an '@' after the host: in a user name or password, '/', '?', '#' and '@' must be "
-            "percent-encoded"
-        )
-    address = parts.netloc.rpartition("@")[2]
-    if ":" in address.rpartition("]")[2]:  # a port, after any [IPv6] host
-        port = address.rpartition(":")[2]
-        if not re.fullmatch(r"[0-9]{1,5}", port) or not 0 < int(port) <= 65535:
-            raise ValueError(
-                "the port must be a number from 1 to 65535 (in a password, "
-                "'/', '?' and '#' must be percent-encoded)"
-            )
-
-
 ReservationMode = Literal["worst_case", "calibrated"]
 
 
-class Tier(_Strict):
+class TierConfig(_Strict):
     max_tokens_cap: PositiveInt
     default_max_tokens: PositiveInt
     max_blocks: PositiveInt
@@ -184,20 +145,20 @@ class Tier(_Strict):
     reservation_mode: ReservationMode | None = None
 
     @model_validator(mode="after")
-    def _default_within_cap(self) -> Tier:
+    def _default_within_cap(self) -> TierConfig:
         if self.default_max_tokens > self.max_tokens_cap:
             raise ValueError("default_max_tokens must not exceed max_tokens_cap")
         return self
 
 
-class Tenancy(_Strict):
+class TenancyConfig(_Strict):
     identity: Literal["header", "api_key"] = "header"
     header: str = "x-tenant-id"
     api_keys: dict[str, str] = {}
     default_tier: str | None = None  # None: unknown tenants get 401 unknown_tenant
-    tiers: dict[str, Tier] = {
-        "free": Tier(max_tokens_cap=512, default_max_tokens=256, max_blocks=2000),
-        "pro": Tier(max_tokens_cap=4096, default_max_tokens=1024, max_blocks=20000),
+    tiers: dict[str, TierConfig] = {
+        "free": TierConfig(max_tokens_cap=512, default_max_tokens=256, max_blocks=2000),
+        "pro": TierConfig(max_tokens_cap=4096, default_max_tokens=1024, max_blocks=20000),
     }
     tenants: dict[str, str] = {}
     # Tell clients the output limit their request ran with (`x-kvguard-max-tokens`): a clamp
@@ -208,7 +169,7 @@ class Tenancy(_Strict):
     _named_tenants: frozenset[str] = PrivateAttr(default=frozenset())
 
     @model_validator(mode="after")
-    def _tiers_exist(self) -> Tenancy:
+    def _tiers_exist(self) -> TenancyConfig:
         problems: list[tuple[Key, str]] = []
         if not self.tiers:
             problems.append((("tiers",), "at least one tier is required"))
@@ -247,7 +208,7 @@ class Tenancy(_Strict):
         self._named_tenants = frozenset(self.tenants) | frozenset(self.api_keys.values())
 
 
-class Capacity(_Strict):
+class CapacityConfig(_Strict):
     """Static (`blocks` usable blocks of `block_size` tokens) or discovered: from `endpoints`,
     the base URLs of the pool's vLLM servers, or from `service`, the `name:port` of a headless
     Service whose DNS records (A and AAAA, resolved again at every refresh) are its servers;
@@ -266,7 +227,7 @@ class Capacity(_Strict):
         return bool(self.endpoints) or self.service is not None
 
     @model_validator(mode="after")
-    def _one_source(self) -> Capacity:
+    def _one_source(self) -> CapacityConfig:
         static = self.blocks is not None or self.block_size is not None
         if self.endpoints and self.service is not None:
             raise ValueError("give either endpoints or service, not both")
@@ -296,7 +257,7 @@ class Capacity(_Strict):
                 )
         if self.service is not None:
             try:
-                if _listen_port(self.service, host_required=True) == 0:
+                if listen_port(self.service, host_required=True) == 0:
                     raise ValueError(f"{self.service!r}: the port must be from 1 to 65535")
             except ValueError as exc:
                 problems.append((("service",), f"{exc}: give the Service's name:port"))
@@ -307,7 +268,7 @@ class Capacity(_Strict):
                 )
                 continue
             try:
-                _check_authority(url)
+                check_authority(url)
             except ValueError as exc:
                 problems.append((("endpoints", i), f"{redact(url)!r}: {exc}"))
         _raise_all(problems)
@@ -326,7 +287,7 @@ MEDIA_PART_TYPES = (
 )
 
 
-class Reservation(_Strict):
+class ReservationConfig(_Strict):
     """What an admitted request reserves for its output (docs/configuration.md).
 
     `worst_case`: its whole clamped limit. `calibrated`: min(limit, max(min_tokens, estimate)),
@@ -349,7 +310,7 @@ COUNTING_BUDGET_S = 5.0
 MAX_QUEUE_WAIT_S = SHIPPED_MAX_MESSAGE_TIMEOUT_S - COUNTING_BUDGET_S
 
 
-class Queue(_Strict):
+class QueueConfig(_Strict):
     """A short queue before a 429 (docs/design.md, "A short queue before a 429")."""
 
     # How long a request refused for the quota or the watermark waits for blocks, holding its
@@ -369,24 +330,24 @@ class Queue(_Strict):
         return value
 
 
-class Pool(_Strict):
+class PoolConfig(_Strict):
     name: str
     models: list[str] = Field(min_length=1)
     tokenizer: str
     chat_template: str | None = None
     max_model_len: PositiveInt
     watermark: Annotated[float, Field(ge=0, lt=1)] = 0.15
-    capacity: Capacity
+    capacity: CapacityConfig
     media_tokens: dict[str, PositiveInt] = {}  # tokens counted per media part of that type
-    reservation: Reservation = Reservation()
+    reservation: ReservationConfig = ReservationConfig()
     # A 429 promises the client a time to retry at (when the leases are expected to end),
     # when that time is at most this far; past it the client is told not to retry. 0 (the
     # default, chosen by measurement: docs/performance.md) makes no promises.
     retry_after_max_seconds: Annotated[float, Field(ge=0, le=3600)] = 0.0
-    queue: Queue = Queue()
+    queue: QueueConfig = QueueConfig()
 
     @model_validator(mode="after")
-    def _known_media_parts(self) -> Pool:
+    def _known_media_parts(self) -> PoolConfig:
         _raise_all(
             [
                 (
@@ -403,9 +364,9 @@ class Pool(_Strict):
 class Config(_Strict):
     server: ServerSettings = ServerSettings()
     ledger: LedgerSettings = LedgerSettings()
-    tenancy: Tenancy = Tenancy()
+    tenancy: TenancyConfig = TenancyConfig()
     shadow: bool = False
-    pools: list[Pool] = Field(min_length=1)
+    pools: list[PoolConfig] = Field(min_length=1)
 
     @model_validator(mode="after")
     def _workers_share_a_ledger(self) -> Config:

@@ -45,7 +45,7 @@ from kvguard.admission.engine import EngineFeedback
 from kvguard.admission.outputs import Observed, OutputLengths
 from kvguard.admission.policy import Policy
 from kvguard.config.redact import redact
-from kvguard.config.schema import Capacity
+from kvguard.config.schema import CapacityConfig
 from kvguard.ops.dns import Resolver, resolve, service_urls
 from kvguard.ops.readings import Endpoint, Learnt, learn, total
 from kvguard.ops.scrape import fetch, read_credential, why
@@ -169,7 +169,7 @@ class Discovery:
             return {}
         return {name: self._engine.trust(name) for name in self._pools}
 
-    def _discovered(self) -> dict[str, Capacity]:
+    def _discovered(self) -> dict[str, CapacityConfig]:
         """Pool name -> its capacity's settings, for the pools discovered now."""
         return {
             pool.name: pool.config.capacity

@@ -12,18 +12,18 @@ import pytest
 from kvguard.admission import decide
 from kvguard.admission.calibration import DEFAULT_DECODE_RATE
 from kvguard.admission.capacity import PoolCapacity
-from kvguard.config.schema import Capacity, Pool, Tier
+from kvguard.config.schema import CapacityConfig, PoolConfig, TierConfig
 from kvguard.errors import Code, Refusal
 from kvguard.ledger import Claim, Outcome, Reservation, Terms
 
-TIER = Tier(max_tokens_cap=512, default_max_tokens=256, max_blocks=100)
-POOL = Pool(
+TIER = TierConfig(max_tokens_cap=512, default_max_tokens=256, max_blocks=100)
+POOL = PoolConfig(
     name="llama",
     models=["llama"],
     tokenizer="/models/llama",
     max_model_len=4096,
     watermark=0.15,
-    capacity=Capacity(blocks=1000, block_size=16),
+    capacity=CapacityConfig(blocks=1000, block_size=16),
 )
 CAPACITY = PoolCapacity(1000, 16)
 
@@ -85,13 +85,13 @@ def test_the_claim_carries_the_plan_the_lease_id_and_the_lease_seconds() -> None
 @pytest.mark.parametrize(
     ("tier", "capacity", "quota", "limit"),
     [
-        (Tier(max_tokens_cap=512, default_max_tokens=256, max_blocks=12), CAPACITY, 12, 850),
+        (TierConfig(max_tokens_cap=512, default_max_tokens=256, max_blocks=12), CAPACITY, 12, 850),
         (TIER, PoolCapacity(14, 16), 100, 11),  # floor(14 x 0.85)
     ],
     ids=["above-the-quota", "above-the-pool-limit"],
 )
 def test_a_plan_above_the_quota_or_the_pool_limit_gets_no_claim(
-    tier: Tier, capacity: PoolCapacity, quota: int, limit: int
+    tier: TierConfig, capacity: PoolCapacity, quota: int, limit: int
 ) -> None:
     plan = decide.plan(counted([100], {"max_tokens": 100}), POOL, "acme", tier, capacity)
     assert plan.blocks == 13
@@ -107,7 +107,7 @@ def test_a_plan_above_the_quota_or_the_pool_limit_gets_no_claim(
 
 
 def test_a_plan_at_exactly_the_quota_and_the_pool_limit_is_claimed() -> None:
-    tier = Tier(max_tokens_cap=512, default_max_tokens=256, max_blocks=13)
+    tier = TierConfig(max_tokens_cap=512, default_max_tokens=256, max_blocks=13)
     plan = decide.plan(counted([100], {"max_tokens": 100}), POOL, "", tier, PoolCapacity(16, 16))
     assert (plan.blocks, plan.quota, plan.pool_limit) == (13, 13, 13)
     assert decide.claim(plan, "x", 1.0).blocks == 13
@@ -215,13 +215,13 @@ _AUDITED = textwrap.dedent(
     import json, sys
     from kvguard.admission import decide
     from kvguard.admission.capacity import PoolCapacity
-    from kvguard.config.schema import Capacity, Pool, Tier
+    from kvguard.config.schema import CapacityConfig, PoolConfig, TierConfig
     from kvguard.errors import Refusal
     from kvguard.ledger import Outcome, Reservation
 
-    pool = Pool(name="p", models=["m"], tokenizer="/t", max_model_len=2048, watermark=0.1,
-                capacity=Capacity(blocks=500, block_size=16))
-    tier = Tier(max_tokens_cap=256, default_max_tokens=64, max_blocks=120)
+    pool = PoolConfig(name="p", models=["m"], tokenizer="/t", max_model_len=2048, watermark=0.1,
+                capacity=CapacityConfig(blocks=500, block_size=16))
+    tier = TierConfig(max_tokens_cap=256, default_max_tokens=64, max_blocks=120)
     capacity = PoolCapacity(500, 16)
     requests = [
         decide.Counted(kind, limits, prompts, min_tokens, n)

@@ -4,10 +4,10 @@ import pytest
 
 from kvguard.admission.capacity import pool_limit
 from kvguard.admission.sizing import blocks_needed, clamp
-from kvguard.config.schema import Tier
+from kvguard.config.schema import TierConfig
 from kvguard.errors import Code, Refusal
 
-TIER = Tier(max_tokens_cap=512, default_max_tokens=256, max_blocks=100)
+TIER = TierConfig(max_tokens_cap=512, default_max_tokens=256, max_blocks=100)
 
 
 def test_chat_without_limit_gets_the_tier_default() -> None:

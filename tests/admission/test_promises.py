@@ -8,14 +8,14 @@ import math
 import random
 
 from kvguard.admission.promises import GRACE_S, JITTER_S, RateLimit, retry_key, terms
-from kvguard.config.schema import Capacity, Pool
+from kvguard.config.schema import CapacityConfig, PoolConfig
 
-POOL = Pool(
+POOL = PoolConfig(
     name="p",
     models=["m"],
     tokenizer="/models/p",
     max_model_len=4096,
-    capacity=Capacity(blocks=1000, block_size=16),
+    capacity=CapacityConfig(blocks=1000, block_size=16),
     retry_after_max_seconds=30.0,
 )
 
@@ -40,7 +40,7 @@ def test_terms_draw_their_jitter_from_the_generator_given() -> None:
     assert len(draws) == 20  # spread, not one value
     silent = POOL.model_copy(update={"retry_after_max_seconds": 0.0})
     assert terms(silent, random.Random(0)) is None
-    default = Pool.model_fields["retry_after_max_seconds"].default
+    default = PoolConfig.model_fields["retry_after_max_seconds"].default
     by_default = POOL.model_copy(update={"retry_after_max_seconds": default})
     assert terms(by_default, random.Random(0)) is None  # no promises unless asked for
 
