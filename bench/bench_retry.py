@@ -39,11 +39,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvguard.config.loading import parse as parse_config  # noqa: E402
-from kvguard.sim.gate import PolicyGate  # noqa: E402
-from kvguard.sim.replay import Run, replay  # noqa: E402
-from kvguard.sim.report import percentile  # noqa: E402
+from kvguard.sim.model.gate import PolicyGate  # noqa: E402
+from kvguard.sim.model.replay import Run, replay  # noqa: E402
+from kvguard.sim.model.report import percentile  # noqa: E402
+from kvguard.sim.model.trace import TraceRequest  # noqa: E402
 from kvguard.sim.simulate import Options, engine_config, pool_capacity  # noqa: E402
-from kvguard.sim.trace import TraceRequest  # noqa: E402
 
 RESULTS = ROOT / "bench-results"
 NOISY, NOISY_QUOTA = 8, 600

@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvguard.sim.load import sdk_retry_delay  # noqa: E402
-from kvguard.sim.report import percentile  # noqa: E402
+from kvguard.sim.model.report import percentile  # noqa: E402
 from kvguard.testing import free_port  # noqa: E402
 from kvguard.testing.envoy import EnvoyProcess, loopback_config  # noqa: E402
 

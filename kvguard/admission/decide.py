@@ -3,7 +3,7 @@
 In: the pool, the tenant's tier, the counted request and the pool's capacity. Out: a `Plan`
 (the output limits and the blocks they need), then the `Claim` the ledger is asked to grant,
 or a `Refusal`. The ledger's answer to a claim maps back to a refusal here too, so `serve`
-(`admit.Admission`) and `simulate` (`sim.gate.PolicyGate`) refuse with the same codes and
+(`admit.Admission`) and `simulate` (`sim.model.gate.PolicyGate`) refuse with the same codes and
 messages; admission.sequence holds the steps they both take with these.
 """
 
@@ -17,7 +17,7 @@ from kvguard.admission.capacity import PoolCapacity
 from kvguard.admission.promises import RETRY_TOKEN_HEADER, RateLimit
 from kvguard.admission.record import ReservedFrom
 from kvguard.admission.sizing import Limits, blocks_needed, clamp
-from kvguard.config.schema import Pool, Tier
+from kvguard.config.schema import PoolConfig, TierConfig
 from kvguard.errors import RETRY_AFTER_S, Code, Refusal
 from kvguard.ledger import Claim, Outcome, Reservation, Terms
 from kvguard.tokens.request import Kind
@@ -81,9 +81,9 @@ def capacity_known(pool: str, capacity: PoolCapacity | None) -> PoolCapacity:
 
 def plan(
     request: Counted,
-    pool: Pool,
+    pool: PoolConfig,
     tenant: str,
-    tier: Tier,
+    tier: TierConfig,
     capacity: PoolCapacity,
     estimate: Estimate | None = None,
 ) -> Plan:

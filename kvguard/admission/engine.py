@@ -4,7 +4,7 @@ One entry, `EngineFeedback.read`, takes one reading of a pool: the blocks vLLM h
 with the blocks the ledger reserves, as last given to `reserved`), the preemptions it counted
 since the last reading, and the intervals between a sequence's consecutive tokens it observed
 since. Capacity discovery (ops/discovery.py) calls it each round that read one of the pool's
-endpoints, the simulator's gate (sim/gate.py) each `refresh_seconds` of simulated time, so that
+endpoints, the simulator's gate (sim/model/gate.py) each `refresh_seconds` of simulated time, so
 `serve` and `kvguard simulate` follow the same rules:
 
 - the pressure rule: a KV cache at PRESSURE_SHARE of the pool's capacity or more counts as a

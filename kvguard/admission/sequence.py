@@ -1,5 +1,5 @@
 """The decision's steps after counting, shared by serve (admit.Admission) and simulate
-(sim.gate.PolicyGate): size the request, build its claim, ask the ledger, read its answer.
+(sim.model.gate.PolicyGate): size the request, build its claim, ask the ledger, read its answer.
 
 A request is `Asked` once its prompts are counted. `DecisionSequence.plan` sizes it for its
 tier (the calibrated estimate, or the simulator's oracle); `DecisionSequence.claim` builds what
@@ -22,7 +22,7 @@ from kvguard.admission.calibration import Calibration, Estimate, Growth
 from kvguard.admission.capacity import PoolCapacity
 from kvguard.admission.policy import Identity
 from kvguard.admission.promises import retry_key, terms
-from kvguard.config.schema import Pool
+from kvguard.config.schema import PoolConfig
 from kvguard.ledger import Claim, Outcome, Reservation
 
 
@@ -38,7 +38,7 @@ class Wait(enum.Enum):
 class Asked:
     """One counted request, as the decision's steps read it."""
 
-    pool: Pool
+    pool: PoolConfig
     identity: Identity
     counted: decide.Counted
     capacity: PoolCapacity
@@ -111,7 +111,7 @@ class DecisionSequence:
         return self.calibration.engine.unaccounted(pool) if self.calibration is not None else 0
 
 
-def queue_seconds(claim: Claim, pool: Pool, shadow: bool) -> float:
+def queue_seconds(claim: Claim, pool: PoolConfig, shadow: bool) -> float:
     """How long `claim` may wait in its pool's queue when the quota or the watermark refuses it;
     0 when it does not queue (shadow mode, or more blocks than its limits could ever grant)."""
     possible = claim.blocks <= claim.pool_limit and claim.blocks <= claim.tenant_quota

@@ -33,10 +33,10 @@ import yaml
 from kvguard import config as configs
 from kvguard.admission.capacity import PoolCapacity
 from kvguard.app import Service
-from kvguard.sim.engine import EngineConfig, StepCost
 from kvguard.sim.envoy import EnvoyProcess, loopback_config
 from kvguard.sim.load import Answer, Planned, send_all
-from kvguard.sim.report import percentile
+from kvguard.sim.model.engine import EngineConfig, StepCost
+from kvguard.sim.model.report import percentile
 from kvguard.sim.server import SimServer
 
 # Where `make demo` (tools/fetch_tokenizers.py) puts the model's tokenizer files, relative to

@@ -17,7 +17,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 
 from kvguard.admission.capacity import PoolCapacity
-from kvguard.sim.replay import Run
+from kvguard.sim.model.replay import Run
 
 _COLOURS = ["#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#8c564b"]
 _REFUSED = "#ff7f0e"

@@ -27,9 +27,9 @@ from typing import Any
 
 from aiohttp import web
 
-from kvguard.sim import prompts
-from kvguard.sim.engine import Engine, EngineConfig, Sequence, Status
-from kvguard.sim.metrics import render
+from kvguard.sim.model import prompts
+from kvguard.sim.model.engine import Engine, EngineConfig, Sequence, Status
+from kvguard.sim.model.metrics import render
 
 TOKEN_TEXT = "tok "
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")

@@ -19,13 +19,13 @@ from pathlib import Path
 
 from kvguard import config as configs
 from kvguard.admission.capacity import PoolCapacity
-from kvguard.sim import sweep
-from kvguard.sim.engine import EngineConfig, StepCost
-from kvguard.sim.policies import POLICIES, by_names
-from kvguard.sim.replay import Run
-from kvguard.sim.report import DEFAULT_TTFT_SLO_S, PolicyStats, policy_table, tenant_table
-from kvguard.sim.sweep import QUIET_RATE, QUIET_TENANT
-from kvguard.sim.trace import Trace, TraceError, load
+from kvguard.sim.model import sweep
+from kvguard.sim.model.engine import EngineConfig, StepCost
+from kvguard.sim.model.policies import POLICIES, by_names
+from kvguard.sim.model.replay import Run
+from kvguard.sim.model.report import DEFAULT_TTFT_SLO_S, PolicyStats, policy_table, tenant_table
+from kvguard.sim.model.sweep import QUIET_RATE, QUIET_TENANT
+from kvguard.sim.model.trace import Trace, TraceError, load
 
 DEFAULT_COST = StepCost()
 

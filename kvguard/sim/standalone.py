@@ -15,7 +15,7 @@ import re
 import signal
 import sys
 
-from kvguard.sim.engine import EngineConfig
+from kvguard.sim.model.engine import EngineConfig
 
 DEFAULT_MAX_MODEL_LEN = 4096
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 from kvguard.admission.capacity import PoolCapacity
 from kvguard.config.loading import parse as parse_config
 from kvguard.config.schema import Config
-from kvguard.sim.engine import EngineConfig
-from kvguard.sim.policies import POLICIES
-from kvguard.sim.replay import Run
+from kvguard.sim.model.engine import EngineConfig
+from kvguard.sim.model.policies import POLICIES
+from kvguard.sim.model.replay import Run
+from kvguard.sim.model.sweep import replay_policy
+from kvguard.sim.model.trace import TraceRequest
 from kvguard.sim.simulate import Options, engine_config
-from kvguard.sim.sweep import replay_policy
-from kvguard.sim.trace import TraceRequest
 
 # One tier whose default (1024) is injected: clients send no max_tokens. 400 blocks of 16.
 CONFIG = """

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from kvguard.sim.blocks import BlockPool
-from kvguard.sim.engine import Engine, EngineConfig, Sequence, Status, StepCost
+from kvguard.sim.model.blocks import BlockPool
+from kvguard.sim.model.engine import Engine, EngineConfig, Sequence, Status, StepCost
 
 COST = StepCost(base_s=0.01, prefill_token_s=0.0, decode_seq_s=0.0)
 

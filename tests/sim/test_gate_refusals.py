@@ -1,4 +1,4 @@
-"""The simulator's refusals as serve's (kvguard.sim.gate): the pool's short queue (a refused
+"""The simulator's refusals as serve's (kvguard.sim.model.gate): the pool's short queue (a refused
 request waits, promised nothing, and is decided again as blocks free; past its wait it gets
 the promise's terms), the time told from when the leases are expected to end, and the figure
 of blocks held for others while a request that fits was refused."""
@@ -10,8 +10,8 @@ import pytest
 from kvguard.admission.capacity import PoolCapacity
 from kvguard.config.loading import parse as parse_config
 from kvguard.ledger import Outcome, Reservation
-from kvguard.sim.gate import PolicyGate
-from kvguard.sim.trace import TraceRequest
+from kvguard.sim.model.gate import PolicyGate
+from kvguard.sim.model.trace import TraceRequest
 from tests.clock import Clock
 
 CONFIG = """

@@ -11,13 +11,13 @@ import pytest
 from kvguard.admission.capacity import PoolCapacity
 from kvguard.config.loading import parse as parse_config
 from kvguard.config.schema import Config
-from kvguard.sim.engine import EngineConfig, StepCost
-from kvguard.sim.policies import POLICIES, by_names
-from kvguard.sim.replay import replay
-from kvguard.sim.report import jain, policy_stats, policy_table, tenant_stats
+from kvguard.sim.model.engine import EngineConfig, StepCost
+from kvguard.sim.model.policies import POLICIES, by_names
+from kvguard.sim.model.replay import replay
+from kvguard.sim.model.report import jain, policy_stats, policy_table, tenant_stats
+from kvguard.sim.model.sweep import QUIET_TENANT, quiet_requests, replay_policy, with_quiet
+from kvguard.sim.model.trace import Trace, TraceRequest
 from kvguard.sim.simulate import Options, add_arguments, engine_config, run, run_from_args
-from kvguard.sim.sweep import QUIET_TENANT, quiet_requests, replay_policy, with_quiet
-from kvguard.sim.trace import Trace, TraceRequest
 
 TRACES = Path(__file__).parents[1] / "data" / "traces"
 

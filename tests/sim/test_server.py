@@ -12,7 +12,7 @@ import pytest_asyncio
 
 from kvguard.ops import vllm_metrics
 from kvguard.ops.vllm_metrics import TokenIntervals, parse_cache_config
-from kvguard.sim.engine import EngineConfig, StepCost
+from kvguard.sim.model.engine import EngineConfig, StepCost
 from kvguard.sim.server import SimServer
 from kvguard.testing.vllm import parse_metrics
 from kvguard.testing.wait import wait_until

@@ -7,8 +7,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvguard.ops.vllm_metrics import TokenIntervals, parse_metrics
-from kvguard.sim.engine import TOKEN_GAP_BOUNDS, Engine, EngineConfig, Sequence, StepCost
-from kvguard.sim.metrics import render
+from kvguard.sim.model.engine import TOKEN_GAP_BOUNDS, Engine, EngineConfig, Sequence, StepCost
+from kvguard.sim.model.metrics import render
 
 ITL = "vllm:inter_token_latency_seconds"
 

@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from kvguard.sim import standalone
-from kvguard.sim.engine import EngineConfig
+from kvguard.sim.model.engine import EngineConfig
 
 
 def _options(*argv: str) -> tuple[str, int, EngineConfig]:

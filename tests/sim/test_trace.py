@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from kvguard.config.loading import parse as parse_config
-from kvguard.sim import prompts
-from kvguard.sim.engine import EngineConfig, StepCost
-from kvguard.sim.policies import POLICIES
-from kvguard.sim.replay import replay
-from kvguard.sim.report import (
+from kvguard.sim.model import prompts
+from kvguard.sim.model.engine import EngineConfig, StepCost
+from kvguard.sim.model.policies import POLICIES
+from kvguard.sim.model.replay import replay
+from kvguard.sim.model.report import (
     jain,
     percentile,
     policy_stats,
@@ -20,9 +20,9 @@ from kvguard.sim.report import (
     tenant_stats,
     tenant_table,
 )
+from kvguard.sim.model.sweep import compare
+from kvguard.sim.model.trace import SINGLE_TENANT, TraceError, TraceRequest, load, parse
 from kvguard.sim.simulate import Options, engine_config, pool_capacity
-from kvguard.sim.sweep import compare
-from kvguard.sim.trace import SINGLE_TENANT, TraceError, TraceRequest, load, parse
 
 TRACES = Path(__file__).parents[1] / "data" / "traces"
 

@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from kvguard.sim.blocks import Block, BlockPool
+from kvguard.sim.model.blocks import Block, BlockPool
 
 # vLLM's bucket bounds (seconds) for vllm:inter_token_latency_seconds.
 TOKEN_GAP_BOUNDS = (

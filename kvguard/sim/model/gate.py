@@ -42,7 +42,7 @@ from kvguard.config.schema import Config
 from kvguard.errors import Code, Refusal
 from kvguard.ledger import Claim, Reservation
 from kvguard.ledger.memory import MemoryLedger
-from kvguard.sim.trace import TraceRequest
+from kvguard.sim.model.trace import TraceRequest
 
 _FOREVER_S = 1e15  # leases of open requests are renewed: they never expire in the replay
 

@@ -13,7 +13,7 @@ import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kvguard.sim.engine import TOKEN_GAP_BOUNDS, Engine
+from kvguard.sim.model.engine import TOKEN_GAP_BOUNDS, Engine
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvguard.sim.trace import TraceRequest
+from kvguard.sim.model.trace import TraceRequest
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,10 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvguard.errors import RETRY_AFTER_S, Code
-from kvguard.sim.engine import Engine, EngineConfig, Sequence
-from kvguard.sim.gate import PolicyGate, Verdict
-from kvguard.sim.metrics import Snapshot, snapshot
-from kvguard.sim.trace import TraceRequest
+from kvguard.sim.model.engine import Engine, EngineConfig, Sequence
+from kvguard.sim.model.gate import PolicyGate, Verdict
+from kvguard.sim.model.metrics import Snapshot, snapshot
+from kvguard.sim.model.trace import TraceRequest
 
 MAX_SAMPLES = 2000  # timeline points kept for the plot
 

@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvguard.sim.replay import Outcome, Run
+from kvguard.sim.model.replay import Outcome, Run
 
 DEFAULT_TTFT_SLO_S = 2.0
 

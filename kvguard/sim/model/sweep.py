@@ -16,12 +16,12 @@ from dataclasses import replace
 
 from kvguard.admission.capacity import PoolCapacity
 from kvguard.config.schema import Config
-from kvguard.sim.engine import EngineConfig
-from kvguard.sim.gate import PolicyGate
-from kvguard.sim.policies import POLICIES, Policy
-from kvguard.sim.replay import Run, replay
-from kvguard.sim.report import PolicyStats, policy_stats, tenant_p99
-from kvguard.sim.trace import Trace, TraceError, TraceRequest
+from kvguard.sim.model.engine import EngineConfig
+from kvguard.sim.model.gate import PolicyGate
+from kvguard.sim.model.policies import POLICIES, Policy
+from kvguard.sim.model.replay import Run, replay
+from kvguard.sim.model.report import PolicyStats, policy_stats, tenant_p99
+from kvguard.sim.model.trace import Trace, TraceError, TraceRequest
 
 QUIET_TENANT = "quiet"
 QUIET_RATE = 0.2  # requests per second, whatever the rate scale
