@@ -20,28 +20,37 @@ from kvguard.admission.outputs import Histogram, Observed, OutputLengths
 from kvguard.admission.policy import identify_request
 from kvguard.admission.record import Decision
 from kvguard.admission.sizing import blocks_needed
-from kvguard.config.schema import Capacity, Config, Pool, Reservation, Tenancy, Tier
+from kvguard.config.schema import (
+    CapacityConfig,
+    Config,
+    PoolConfig,
+    ReservationConfig,
+    TenancyConfig,
+    TierConfig,
+)
 from kvguard.errors import Code, Refusal
-from tests.admission.test_simulate_serve import MODEL, serve
+from tests.admission.serving import MODEL, serve
 
 BLOCK = 16
 CAPACITY = PoolCapacity(1000, BLOCK)
-TIER = Tier(max_tokens_cap=512, default_max_tokens=256, max_blocks=500)
+TIER = TierConfig(max_tokens_cap=512, default_max_tokens=256, max_blocks=500)
 
 
-def pool(mode: str = "calibrated", **reservation: Any) -> Pool:
+def pool(mode: str = "calibrated", **reservation: Any) -> PoolConfig:
     settings = {"min_samples": 3, "min_tokens": 4, "quantile": 0.95, **reservation}
-    return Pool(
+    return PoolConfig(
         name="p",
         models=[MODEL],
         tokenizer="/models/p",
         max_model_len=4096,
-        capacity=Capacity(blocks=1000, block_size=BLOCK),
-        reservation=Reservation(mode=mode, **settings),  # type: ignore[arg-type]
+        capacity=CapacityConfig(blocks=1000, block_size=BLOCK),
+        reservation=ReservationConfig(mode=mode, **settings),  # type: ignore[arg-type]
     )
 
 
-def fed(calibration: Calibration, at_pool: Pool, tier: str, tenant: str, *tokens: int) -> None:
+def fed(
+    calibration: Calibration, at_pool: PoolConfig, tier: str, tenant: str, *tokens: int
+) -> None:
     for value in tokens:
         calibration.observe(at_pool, tier, tenant, value, 0.0)
 
@@ -356,7 +365,7 @@ def test_an_estimate_that_reserves_the_whole_limit_is_the_worst_case() -> None:
 def test_a_calibrated_request_whose_limit_can_never_fit_is_refused_at_once() -> None:
     # 64 prompt tokens, 4 sequences of up to 512: 4 x 36 = 144 blocks at worst, above the quota
     # of 100, though its estimate of 20 needs only 4 x 6 = 24 now; its lease could grow there.
-    tier = Tier(max_tokens_cap=512, default_max_tokens=512, max_blocks=100)
+    tier = TierConfig(max_tokens_cap=512, default_max_tokens=512, max_blocks=100)
     plan = decide.plan(counted(64, n=4), pool(), "a", tier, CAPACITY, Estimate(20, "tier"))
     assert (plan.blocks, plan.worst_blocks) == (24, 144)
     with pytest.raises(Refusal) as refused:
@@ -452,8 +461,8 @@ def test_the_limits_sent_to_vllm_do_not_depend_on_the_estimate(
 # Admission in a calibrated pool
 
 
-def config_of(at_pool: Pool) -> Config:
-    tenancy = Tenancy(tiers={"pro": TIER}, default_tier="pro")
+def config_of(at_pool: PoolConfig) -> Config:
+    tenancy = TenancyConfig(tiers={"pro": TIER}, default_tier="pro")
     return Config(tenancy=tenancy, pools=[at_pool])
 
 

@@ -17,8 +17,9 @@ from kvguard.admission.sizing import blocks_needed
 from kvguard.ledger import Claim, Lease, Ledger, Outcome, Terms
 from kvguard.ledger.memory import MemoryLedger
 from kvguard.testing.wait import wait_until
-from tests.admission.test_leases import LateReassert
-from tests.ledger.conftest import Clock, until_usage
+from tests.admission.late_reassert import LateReassert
+from tests.clock import Clock
+from tests.ledger.conftest import until_usage
 
 BLOCK = 16
 PROMPT = 40
@@ -52,7 +53,7 @@ def growth(
     n: int = 1,
     limit: int = LIMIT,
 ) -> Growth:
-    return Growth("p", prompts, n, BLOCK, limit, reserved, clock.t)
+    return Growth("p", prompts, n, BLOCK, limit, reserved, clock.now)
 
 
 async def held(
@@ -108,7 +109,7 @@ async def test_a_lease_grows_with_the_time_its_request_decodes() -> None:
     keeper.hold(lease, grows)
     assert await keeper.grow_all() == []  # no time passed: what it reserved
     for seconds in (5.0, 20.0, 33.3):
-        clock.t = grows.admitted_at + seconds
+        clock.now = grows.admitted_at + seconds
         expected = math.ceil((PROMPT + math.ceil(seconds * 10)) / BLOCK)
         grown = await keeper.grow_all()
         assert [(g.lease_id, g.blocks) for g in grown] == [("g", expected)]
@@ -122,7 +123,7 @@ async def test_an_unknown_decode_rate_is_the_default() -> None:
     keeper = keeper_on(ledger, clock, rate=None)
     grows = growth(clock, 8)
     keeper.hold(await held(ledger, "g", grows), grows)
-    clock.t += 2.0
+    clock.now += 2.0
     await keeper.grow_all()
     tokens = math.ceil(2.0 * DEFAULT_DECODE_RATE)
     assert (await ledger.usage("p")).reserved == math.ceil((PROMPT + tokens) / BLOCK)
@@ -137,7 +138,7 @@ async def test_tokens_seen_beyond_the_time_estimate_raise_the_lease(
     keeper = keeper_on(ledger, clock, rate=10.0)
     grows = growth(clock, 8, prompts=prompts, n=n)
     keeper.hold(await held(ledger, "g", grows), grows)
-    clock.t += 1.0  # 10 tokens by the clock
+    clock.now += 1.0  # 10 tokens by the clock
     sequences = len(prompts) * n
     keeper.seen("g", 200 * sequences - 1)  # 200 per sequence, rounded up
     await keeper.grow_all()
@@ -155,17 +156,17 @@ async def test_growth_stops_at_the_limit_and_is_not_reasserted_again() -> None:
     grows = growth(clock, 8, limit=100)
     limit_blocks = math.ceil((PROMPT + 100) / BLOCK)
     keeper.hold(await held(recording.ledger, "g", grows), grows)
-    clock.t += 5.0
+    clock.now += 5.0
     await keeper.grow_all()
     assert len(recording.reasserts) == 1
-    clock.t += 1000.0
+    clock.now += 1000.0
     grown = await keeper.grow_all()
     assert [g.blocks for g in grown] == [limit_blocks]
     assert [[lease.blocks for lease in call] for call in recording.reasserts] == [
         [math.ceil(90 / BLOCK)],
         [limit_blocks],
     ]
-    clock.t += 1000.0
+    clock.now += 1000.0
     keeper.seen("g", 10_000)  # no longer followed
     assert await keeper.grow_all() == []
     assert len(recording.reasserts) == 2
@@ -180,14 +181,14 @@ async def test_a_lease_released_after_growing_gives_back_everything() -> None:
     grows = growth(clock, 8)
     lease = await held(ledger, "g", grows)
     keeper.hold(lease, grows)
-    clock.t += 30.0
+    clock.now += 30.0
     await keeper.grow_all()
     assert (await ledger.usage("p")).reserved == math.ceil(340 / BLOCK)
     keeper.release(lease)  # the stream's copy, with the blocks it was admitted with
     await keeper.settle()
     assert (await ledger.usage("p")).reserved == 0
     assert (await ledger.usage("p")).leases == 0
-    clock.t += 30.0
+    clock.now += 30.0
     assert await keeper.grow_all() == []  # a released lease no longer grows
     assert (await ledger.usage("p")).reserved == 0
 
@@ -199,7 +200,7 @@ async def test_a_lease_released_while_its_growth_is_reasserted_is_released_again
     grows = growth(clock, 8)
     lease = await held(ledger.ledger, "g", grows)
     keeper.hold(lease, grows)
-    clock.t += 30.0
+    clock.now += 30.0
     grow = asyncio.ensure_future(keeper.grow_all())
     await ledger.waiting.wait()  # its re-assert carries the grown lease
     keeper.release(lease)  # the stream ended
@@ -222,7 +223,7 @@ async def test_grow_all_returns_only_the_leases_that_grew() -> None:
     fast, slow = growth(clock, 8), growth(clock, 300)
     keeper.hold(await held(recording.ledger, "fast", fast), fast)
     keeper.hold(await held(recording.ledger, "slow", slow), slow)
-    clock.t += 5.0  # 50 tokens: past the first's 8, within the second's 300
+    clock.now += 5.0  # 50 tokens: past the first's 8, within the second's 300
     grown = await keeper.grow_all()
     assert [(g.lease_id, g.blocks) for g in grown] == [("fast", math.ceil(90 / BLOCK))]
     assert [[lease.lease_id for lease in call] for call in recording.reasserts] == [["fast"]]
@@ -239,7 +240,7 @@ async def test_leases_held_without_growth_never_grow() -> None:
     whole = growth(clock, LIMIT)  # reserved its whole limit: nothing to follow
     keeper.hold(await held(recording.ledger, "whole", whole), whole)
     before = (await recording.ledger.usage("p")).reserved
-    clock.t += 1000.0
+    clock.now += 1000.0
     keeper.seen("plain", 10_000)
     keeper.seen("whole", 10_000)
     assert await keeper.grow_all() == []
@@ -254,7 +255,7 @@ async def test_growth_past_the_pool_limit_is_granted_and_new_claims_are_refused(
     keeper = keeper_on(ledger, clock, rate=10.0)
     grows = growth(clock, 8)
     keeper.hold(await held(ledger, "g", grows, pool_limit=20), grows)
-    clock.t += 1000.0
+    clock.now += 1000.0
     await keeper.grow_all()
     limit_blocks = math.ceil((PROMPT + LIMIT) / BLOCK)
     assert limit_blocks > 20
@@ -270,7 +271,7 @@ async def test_grow_forever_raises_growing_leases_on_its_interval() -> None:
     keeper = keeper_on(ledger, clock, rate=10.0)
     grows = growth(clock, 8)
     keeper.hold(await held(ledger, "g", grows), grows)
-    clock.t += 5.0
+    clock.now += 5.0
     task = asyncio.ensure_future(keeper.grow_forever(interval_s=0.01))
     try:
 
@@ -290,9 +291,9 @@ async def test_a_lease_that_must_grow_is_raised_ahead_and_left_alone_meanwhile()
     keeper = keeper_on(ledger, clock, rate=10.0, ahead_s=2.0)
     grows = growth(clock, reserved=8)
     keeper.hold(await held(ledger.ledger, "g", grows), grows)
-    clock.t += 5.0  # 50 tokens decoded: 90 tokens need 6 blocks; 2 s ahead, 110 need 7
+    clock.now += 5.0  # 50 tokens decoded: 90 tokens need 6 blocks; 2 s ahead, 110 need 7
     assert [(lease.lease_id, lease.blocks) for lease in await keeper.grow_all()] == [("g", 7)]
-    clock.t += 1.0  # 60 tokens: 100 need 7 blocks, as counted
+    clock.now += 1.0  # 60 tokens: 100 need 7 blocks, as counted
     assert await keeper.grow_all() == []
     assert len(ledger.reasserts) == 1
 
@@ -316,7 +317,7 @@ async def test_the_ledger_is_told_when_a_lease_is_expected_to_end_as_that_moves(
     whole = growth(clock, LIMIT)  # the worst case: 512 tokens at 10 a second, 51.2 s
     lease = await held(recording.ledger, "whole", whole, pool_limit=0, ends_in_s=51.2)
     keeper.hold(lease, whole)
-    clock.t += 10.0
+    clock.now += 10.0
     assert await keeper.grow_all() == []
     assert recording.reasserts == []  # on time: nothing to tell
     rate[0] = 5.0  # the pool slows: 50 tokens produced by now, 462 left at 5 a second
@@ -334,6 +335,6 @@ async def test_the_ledger_is_told_when_a_lease_is_expected_to_end_as_that_moves(
     await keeper.grow_all()
     assert recording.reasserts[-1][0].ends_in_s == pytest.approx(22.4)
     assert keeper.snapshot()[0].ends_in_s == pytest.approx(22.4)
-    clock.t += 0.5  # moved by less than the tolerance: not told again
+    clock.now += 0.5  # moved by less than the tolerance: not told again
     await keeper.grow_all()
     assert len(recording.reasserts) == 2

@@ -8,9 +8,11 @@ import asyncio
 import pytest
 
 from kvguard.admission.leases import LeaseKeeper
-from kvguard.ledger import Lease, Ledger
+from kvguard.ledger import Ledger
 from kvguard.ledger.memory import MemoryLedger
-from tests.ledger.conftest import Clock, claim, until_usage
+from tests.admission.late_reassert import LateReassert
+from tests.clock import Clock
+from tests.ledger.conftest import claim, until_usage
 
 
 async def test_the_keeper_renews_by_reasserting_its_open_leases(ledger: Ledger) -> None:
@@ -28,27 +30,6 @@ async def test_the_keeper_renews_by_reasserting_its_open_leases(ledger: Ledger) 
     assert await keeper.renew_all() == 0
     assert ((await ledger.usage("p")).reserved, (await ledger.usage("q")).reserved) == (10, 10)
     assert [lease.lease_id for lease in keeper.snapshot()] == ["0", "2"]
-
-
-class LateReassert:
-    """A memory ledger whose re-assert waits for a connection (`sent`), then lands in the ledger
-    at once and waits for its answer (`answered`): a command on the wire lands whether or not its
-    caller still waits."""
-
-    def __init__(self, ledger: MemoryLedger) -> None:
-        self.ledger = ledger
-        self.sent, self.answered = asyncio.Event(), asyncio.Event()
-        self.waiting = asyncio.Event()
-
-    async def reassert(self, leases: list[Lease], lease_seconds: float) -> int:
-        self.waiting.set()
-        await self.sent.wait()
-        added = await self.ledger.reassert(leases, lease_seconds)
-        await self.answered.wait()
-        return added
-
-    async def release(self, lease: Lease) -> None:
-        await self.ledger.release(lease)
 
 
 async def test_a_renewal_cancelled_after_its_reassert_went_out_leaves_no_released_lease() -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -24,23 +23,28 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from kvguard.admission import decide
-from kvguard.admission.admit import Admission, AdmissionRequest, AdmissionSettings
+from kvguard.admission.admit import AdmissionRequest
 from kvguard.admission.calibration import Calibration, Estimate
-from kvguard.admission.capacity import Capacities, PoolCapacity
+from kvguard.admission.capacity import PoolCapacity
 from kvguard.admission.leases import Lease
 from kvguard.admission.outputs import Histogram, Observed
-from kvguard.admission.policy import Policy, PoolPolicy, identify_request
+from kvguard.admission.policy import identify_request
 from kvguard.admission.record import Decision
 from kvguard.admission.sizing import blocks_needed
-from kvguard.config.schema import Capacity, Config, Pool, Reservation, Tenancy, Tier
+from kvguard.config.schema import (
+    CapacityConfig,
+    Config,
+    PoolConfig,
+    ReservationConfig,
+    TenancyConfig,
+    TierConfig,
+)
 from kvguard.errors import Refusal
 from kvguard.ledger.memory import MemoryLedger
-from kvguard.sim.gate import PolicyGate, generation_bounds
-from kvguard.sim.trace import TraceRequest
-from kvguard.tokens.counting import PromptCounter
-from kvguard.tokens.tokenizer import PoolTokenizer
+from kvguard.sim.model.gate import PolicyGate, generation_bounds
+from kvguard.sim.model.trace import TraceRequest
+from tests.admission.serving import MODEL, serve
 
-MODEL = "m"
 TENANTS = ["", "a", "b", "c"]  # "" is a request without the tenant header
 
 
@@ -57,16 +61,6 @@ class Release:
     which: int  # an index into the leases held, modulo their number
 
 
-class GivenCount:
-    """A counter that returns the prompt count it is handed: traces carry counts, not text."""
-
-    def __init__(self) -> None:
-        self.prompt_tokens = 0
-
-    async def count(self, *_args: Any, **_kwargs: Any) -> list[int]:
-        return [self.prompt_tokens]
-
-
 @st.composite
 def cases(draw: st.DrawFn) -> tuple[Config, list[Ask | Release]]:
     """A configuration and the steps to run on it, their sizes drawn around the pool's: most
@@ -77,7 +71,7 @@ def cases(draw: st.DrawFn) -> tuple[Config, list[Ask | Release]]:
     tier_map = {}
     for name in draw(st.lists(st.sampled_from(["free", "pro", "max"]), min_size=1, unique=True)):
         cap = draw(st.integers(1, 4 * block_size) | st.integers(1, 1024))
-        tier_map[name] = Tier(
+        tier_map[name] = TierConfig(
             max_tokens_cap=cap,
             default_max_tokens=draw(st.integers(1, cap)),
             max_blocks=draw(st.integers(1, blocks)),
@@ -85,18 +79,18 @@ def cases(draw: st.DrawFn) -> tuple[Config, list[Ask | Release]]:
     names = sorted(tier_map)
     # Each named tenant has a tier of its own, or none (then it gets the default tier, if any).
     mapped = {tenant: draw(st.sampled_from([*names, None])) for tenant in TENANTS[1:]}
-    tenancy = Tenancy(
+    tenancy = TenancyConfig(
         default_tier=draw(st.sampled_from([*names, None])),
         tiers=tier_map,
         tenants={tenant: tier for tenant, tier in mapped.items() if tier is not None},
     )
-    pool = Pool(
+    pool = PoolConfig(
         name="p",
         models=[MODEL],
         tokenizer="/models/p",  # not read: the counter is given the counts
         max_model_len=max_model_len,
         watermark=draw(st.sampled_from([0.15, 0.0, 0.05, 0.3, 0.5])),
-        capacity=Capacity(blocks=blocks, block_size=block_size),
+        capacity=CapacityConfig(blocks=blocks, block_size=block_size),
         retry_after_max_seconds=draw(st.sampled_from([30.0, 0.0])),
     )
     small = st.integers(1, 4 * block_size)
@@ -111,29 +105,6 @@ def cases(draw: st.DrawFn) -> tuple[Config, list[Ask | Release]]:
     step = st.integers(0, 5).flatmap(lambda k: release if k == 0 else ask)  # 1 in 6 releases
     steps = cast(list[Ask | Release], draw(st.lists(step, min_size=10, max_size=40)))
     return Config(tenancy=tenancy, pools=[pool], shadow=draw(st.booleans())), steps
-
-
-def serve(
-    config: Config,
-    *,
-    calibration: Calibration | None = None,
-    clock: Callable[[], float] = lambda: 0.0,
-) -> tuple[Admission, Policy, MemoryLedger, GivenCount]:
-    pool = config.pools[0]
-    assert pool.capacity.blocks is not None and pool.capacity.block_size is not None
-    capacity = PoolCapacity(pool.capacity.blocks, pool.capacity.block_size)
-    # The counter is given the counts, so no tokenizer is loaded.
-    policy_pool = PoolPolicy(pool, cast(PoolTokenizer, None), capacity)
-    policy = Policy(config.tenancy, config.shadow, {pool.name: policy_pool}, {MODEL: policy_pool})
-    capacities = Capacities()
-    capacities.set(pool.name, capacity)
-    ledger = MemoryLedger(clock=lambda: 0.0)
-    counter = GivenCount()
-    settings_ = AdmissionSettings(max_body_bytes=1 << 20, lease_seconds=60.0)
-    admission = Admission(
-        ledger, cast(PromptCounter, counter), capacities, settings_, calibration, clock
-    )
-    return admission, policy, ledger, counter
 
 
 @dataclass(frozen=True)
@@ -151,7 +122,7 @@ def calibrated_cases(draw: st.DrawFn) -> tuple[Config, list[Ask | Release], Lear
     way), with few enough samples needed that estimates come from tenants, tiers and the pool."""
     config, steps = draw(cases())
     pool = config.pools[0]
-    reservation = Reservation(
+    reservation = ReservationConfig(
         mode="calibrated",
         quantile=draw(st.sampled_from([0.5, 0.9, 0.95, 1.0])),
         min_samples=draw(st.integers(1, 6)),
@@ -171,7 +142,9 @@ def calibrated_cases(draw: st.DrawFn) -> tuple[Config, list[Ask | Release], Lear
     return config, steps, Learnt(completions, pool_outputs)
 
 
-def learn(calibration: Calibration, pool: Pool, tenancy: Tenancy, learnt: Learnt) -> None:
+def learn(
+    calibration: Calibration, pool: PoolConfig, tenancy: TenancyConfig, learnt: Learnt
+) -> None:
     for tenant, tokens in learnt.completions:
         tier = tenancy.tier_of(tenant)
         if tier is not None:

@@ -20,6 +20,7 @@ from kvguard.ledger.resilient import ResilientLedger
 from kvguard.ledger.url import from_url
 from kvguard.testing.redis import RedisCluster, RedisServer
 from kvguard.testing.wait import wait_until
+from tests.clock import Clock
 
 MARGIN_S = 0.25
 DEADLINE_S = 10.0
@@ -35,20 +36,18 @@ class LedgerClock(Protocol):
         """Return once the ledger's clock reads at least `t` (seconds)."""
 
 
-class Clock:
-    """The memory ledger's injected clock: moves only when a test moves it."""
+class MemoryClock:
+    """The memory ledger's LedgerClock: the tests' clock (tests/clock.py) it was built on, which
+    moves only when a test moves it."""
 
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
 
     async def now(self) -> float:
-        return self.t
+        return self.clock.now
 
     async def reach(self, t: float) -> None:
-        self.t = max(self.t, t)
+        self.clock.now = max(self.clock.now, t)
 
 
 class RedisClock:
@@ -110,7 +109,7 @@ async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
     """Each ledger as kvguard builds it: memory://, or Redis behind the ResilientLedger."""
     if request.param == "memory":
         clock = Clock()
-        yield Backend(from_url("memory://", clock=clock), clock)
+        yield Backend(from_url("memory://", clock=clock), MemoryClock(clock))
         return
     redis = emptied_redis(request, request.param)
     ledger = ResilientLedger(

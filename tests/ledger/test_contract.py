@@ -14,7 +14,8 @@ from dataclasses import replace
 
 from kvguard.ledger import Lease, Ledger, Outcome
 from kvguard.ledger.memory import MemoryLedger
-from tests.ledger.conftest import MARGIN_S, Clock, LedgerClock, claim
+from tests.clock import Clock
+from tests.ledger.conftest import MARGIN_S, LedgerClock, claim
 
 
 async def test_admits_within_limits_and_counts_per_tenant(ledger: Ledger) -> None:
@@ -237,9 +238,9 @@ def test_memory_expiry_is_exact() -> None:
 
     async def scenario() -> list[Outcome]:
         await ledger.reserve(claim("old", 60, lease_s=10))
-        clock.t += 9.9
+        clock.now += 9.9
         before = (await ledger.reserve(claim("new", 10))).outcome
-        clock.t += 0.1  # expiry is inclusive: at exactly now + lease_seconds it is gone
+        clock.now += 0.1  # expiry is inclusive: at exactly now + lease_seconds it is gone
         after = (await ledger.reserve(claim("new", 10))).outcome
         return [before, after]
 

@@ -5,9 +5,10 @@ and what is then held counts against its own tenant's later claims only. Another
 claims never count a promise. A tenant whose client never came back is told the time, with
 nothing held.
 
-Pool p: limit 100 blocks, tenant quota 60. `fill` has tenants x and y hold 50 blocks each, y's
-lease expected to end first. Times on Redis run on its own clock: a time is checked between
-what it would be at the moment of the call and at the moment the leases were reserved (`about`).
+Pool p: limit 100 blocks, tenant quota 60 (the cases are in promise_cases.py). `fill` has
+tenants x and y hold 50 blocks each, y's lease expected to end first. Times on Redis run on its
+own clock: a time is checked between what it would be at the moment of the call and at the
+moment the leases were reserved (`about`).
 """
 
 from __future__ import annotations
@@ -17,47 +18,18 @@ from dataclasses import replace
 
 import pytest
 
-from kvguard.ledger import PROMISE_BUDGET, Claim, Ledger, Outcome, Terms
+from kvguard.ledger import PROMISE_BUDGET, Ledger, Outcome
 from tests.ledger.conftest import MARGIN_S, LedgerClock, claim
-
-TERMS = Terms(max_wait_s=30.0, jitter_s=0.5, grace_s=2.0)
-EXACT = 0.002  # Redis keeps times in ms
-X_ENDS_S, Y_ENDS_S = 8.0, 3.0  # when fill's leases are expected to end
-
-
-def ending(
-    lease_id: str, blocks: int, ends_in_s: float | None, *, tenant: str = "a", quota: int = 60
-) -> Claim:
-    """A claim whose lease is expected to end `ends_in_s` from now."""
-    return replace(claim(lease_id, blocks, tenant=tenant, quota=quota), ends_in_s=ends_in_s)
-
-
-def promised(
-    lease_id: str,
-    blocks: int,
-    key: str,
-    *,
-    tenant: str = "a",
-    terms: Terms = TERMS,
-    quota: int = 60,
-) -> Claim:
-    base = claim(lease_id, blocks, tenant=tenant, quota=quota)
-    return replace(base, retry_key=key, terms=terms)
-
-
-async def fill(ledger: Ledger, x_ends_s: float = X_ENDS_S, y_ends_s: float = Y_ENDS_S) -> None:
-    """Pool p full: tenants x and y hold 50 blocks each, expected to end in the times given."""
-    for tenant, ends_s in (("x", x_ends_s), ("y", y_ends_s)):
-        reserved = await ledger.reserve(ending(tenant, 50, ends_s, tenant=tenant))
-        assert reserved.outcome is Outcome.ADMITTED
-
-
-async def about(clock: LedgerClock, since: float, seconds: float | None, expected: float) -> None:
-    """`seconds`, a time counted from a call after `since`, is `expected` less the time
-    passed since then (exactly, on an injected clock)."""
-    assert seconds is not None
-    passed = await clock.now() - since
-    assert expected - passed - EXACT <= seconds <= expected + EXACT, (seconds, expected, passed)
+from tests.ledger.promise_cases import (
+    EXACT,
+    TERMS,
+    X_ENDS_S,
+    Y_ENDS_S,
+    about,
+    ending,
+    fill,
+    promised,
+)
 
 
 async def test_the_time_is_when_enough_leases_are_expected_to_end(

@@ -20,6 +20,7 @@ from kvguard.testing.redis import RedisCluster, RedisServer
 from kvguard.testing.wait import wait_until
 from tests.ledger.conftest import PATIENT_S, claim, until_usage
 from tests.ledger.proxies import reserve_then_cancel, through_proxies
+from tests.ledger.redis_stats import commandstats, reset_stats
 
 
 def test_scripts_name_their_keys_arguments_and_return_value() -> None:
@@ -39,34 +40,17 @@ def test_every_key_of_a_pool_shares_its_hash_tag() -> None:
     assert all(key.split("{", 1)[1].split("}", 1)[0] == "qwen-7b" for key in keys)
 
 
-def _commandstats(redis: Any) -> dict[str, int]:
-    out: dict[str, int] = {}
-    nodes = redis.nodes if isinstance(redis, RedisCluster) else [redis]
-    for node in nodes:
-        for line in node.cli("info", "commandstats").splitlines():
-            if line.startswith("cmdstat_"):
-                name, stats = line.removeprefix("cmdstat_").split(":", 1)
-                calls = int(stats.split(",")[0].removeprefix("calls="))
-                out[name] = out.get(name, 0) + calls
-    return out
-
-
-def _reset_stats(redis: Any) -> None:
-    for node in redis.nodes if isinstance(redis, RedisCluster) else [redis]:
-        node.cli("config", "resetstat")
-
-
 async def test_one_round_trip_per_admission_and_per_release(
     redis_ledger: tuple[Any, RedisLedger],
 ) -> None:
     redis, ledger = redis_ledger
     await ledger.start()  # scripts registered once per client
     await ledger.usage("p")  # connections opened, cluster slots discovered
-    _reset_stats(redis)
+    reset_stats(redis)
     lease = (await ledger.reserve(claim("1", 10))).lease
     assert lease is not None
     await ledger.release(lease)
-    stats = _commandstats(redis)
+    stats = commandstats(redis)
     assert stats.get("evalsha") == 2, stats
     assert "eval" not in stats and "script|load" not in stats, stats
 
@@ -86,9 +70,9 @@ async def test_renewing_many_leases_is_one_call_per_pool(
 ) -> None:
     redis, ledger = redis_ledger
     leases = await _leases_in_two_pools(ledger, 30)
-    _reset_stats(redis)
+    reset_stats(redis)
     assert await ledger.reassert(leases, 30) == 0
-    assert _commandstats(redis).get("evalsha") == 2
+    assert commandstats(redis).get("evalsha") == 2
 
 
 async def test_growing_leases_takes_one_call_per_pool_and_a_flush_keeps_the_growth(
@@ -96,9 +80,9 @@ async def test_growing_leases_takes_one_call_per_pool_and_a_flush_keeps_the_grow
 ) -> None:
     redis, ledger = redis_ledger
     grown = [replace(lease, blocks=3) for lease in await _leases_in_two_pools(ledger, 10)]
-    _reset_stats(redis)
+    reset_stats(redis)
     assert await ledger.reassert(grown, 30) == 0
-    assert _commandstats(redis).get("evalsha") == 2
+    assert commandstats(redis).get("evalsha") == 2
     redis.flushall()  # what a restart without persistence leaves
     assert await ledger.reassert(grown, 30) == 10  # recorded again, grown
     for pool in "pq":
@@ -111,16 +95,16 @@ async def test_releases_that_queue_up_go_in_one_call_per_pool(
 ) -> None:
     redis, ledger = redis_ledger
     leases = await _leases_in_two_pools(ledger, 40)
-    _reset_stats(redis)
+    reset_stats(redis)
     # Started together, every release queues before the first call goes out.
     await asyncio.gather(*(ledger.release(lease) for lease in leases))
-    assert _commandstats(redis).get("evalsha") == 2
+    assert commandstats(redis).get("evalsha") == 2
     for pool in "pq":
         usage = await ledger.usage(pool)
         assert (usage.reserved, usage.leases, usage.tenants) == (0, 0, {})
-    _reset_stats(redis)
+    reset_stats(redis)
     await asyncio.gather(*(ledger.release(lease) for lease in leases[:5]))  # idempotent
-    assert _commandstats(redis).get("evalsha") == 2
+    assert commandstats(redis).get("evalsha") == 2
     assert (await ledger.usage("p")).reserved == 0
 
 
@@ -130,9 +114,9 @@ async def test_a_long_queue_of_releases_goes_in_bounded_calls(
     redis, ledger = redis_ledger
     monkeypatch.setattr(redis_ledger_module, "LEASES_PER_CALL", 4)
     leases = await _leases_in_two_pools(ledger, 20)
-    _reset_stats(redis)
+    reset_stats(redis)
     await asyncio.gather(*(ledger.release(lease) for lease in leases))
-    assert _commandstats(redis).get("evalsha") == 2 * 3  # 10 leases a pool: 4 + 4 + 2
+    assert commandstats(redis).get("evalsha") == 2 * 3  # 10 leases a pool: 4 + 4 + 2
     assert [(await ledger.usage(pool)).reserved for pool in "pq"] == [0, 0]
 
 
@@ -144,7 +128,7 @@ async def test_a_release_waits_for_the_call_in_flight_then_goes_in_the_next(
         (await ledger.reserve(claim(str(i), 5, quota=100))).lease for i in range(3)
     ]
     assert first is not None and second is not None and third is not None
-    _reset_stats(redis)
+    reset_stats(redis)
     releasing = asyncio.ensure_future(ledger.release(first))
     # Its call is on its way: taken from the queue, its answer not yet back.
     await wait_until(
@@ -153,7 +137,7 @@ async def test_a_release_waits_for_the_call_in_flight_then_goes_in_the_next(
         poll_s=0,  # every turn of the event loop: the answer must not arrive before the check
     )
     await asyncio.gather(ledger.release(second), ledger.release(third), releasing)
-    assert _commandstats(redis).get("evalsha") == 2
+    assert commandstats(redis).get("evalsha") == 2
     assert (await ledger.usage("p")).reserved == 0
 
 
@@ -175,10 +159,10 @@ async def test_a_redis_without_the_scripts_runs_them_anyway(
     await ledger.start()
     for node in redis.nodes if isinstance(redis, RedisCluster) else [redis]:
         node.cli("script", "flush")
-    _reset_stats(redis)
+    reset_stats(redis)
     assert (await ledger.reserve(claim("1", 10))).outcome is Outcome.ADMITTED
     assert (await ledger.reserve(claim("2", 10))).outcome is Outcome.ADMITTED
-    stats = _commandstats(redis)
+    stats = commandstats(redis)
     # NOSCRIPT once, then EVAL (which caches it), then EVALSHA again.
     assert (stats.get("evalsha"), stats.get("eval")) == (2, 1), stats
     assert (await ledger.usage("p")).reserved == 20

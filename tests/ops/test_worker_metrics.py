@@ -3,7 +3,6 @@ short by a worker's death, and a scraper that trickles its request."""
 
 from __future__ import annotations
 
-import selectors
 import socket
 import threading
 import time
@@ -11,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 
 from kvguard.ops.pod_endpoint import PodEndpoint, read_expositions
+from tests.ops.scrape import serve_the_scrape
 
 BODY = b'# TYPE kvguard_admissions_total counter\nkvguard_admissions_total{pool="a"} 123456\n'
 ANSWER = b"HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n"
@@ -38,15 +38,6 @@ def worker_answering(*answers: bytes) -> Iterator[int]:
         server.start()
         yield listener.getsockname()[1]
         server.join(5)
-
-
-def serve_the_scrape(endpoint: PodEndpoint) -> None:
-    """Wait (up to 5 s) for a scrape to arrive on `endpoint`, then answer it as the
-    supervisor's loop does."""
-    with selectors.DefaultSelector() as selector:
-        selector.register(endpoint, selectors.EVENT_READ)
-        assert selector.select(5), "the scrape to arrive"
-    endpoint.serve_one()
 
 
 def test_an_answer_shorter_than_its_content_length_is_no_answer() -> None:
