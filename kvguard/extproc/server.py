@@ -13,10 +13,11 @@ from grpc_health.v1.health import aio as health_aio
 from kvguard.extproc.service import ExternalProcessor
 from kvguard.ops.health import Health
 
-# Health service names: "" and the ext_proc service mean "ready to admit"; "liveness" means
-# "the process serves at all", so an outage never restart-loops kvguard.
+# Health service names: "", "readiness" and the ext_proc service mean "ready to admit";
+# "liveness" means "the process serves at all", so an outage never restart-loops kvguard. The
+# named ones are those an InferencePool's endpoint picker answers (GIE's probes and gateways).
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
-READINESS_SERVICES = ("", EXT_PROC_SERVICE)
+READINESS_SERVICES = ("", "readiness", EXT_PROC_SERVICE)
 LIVENESS_SERVICE = "liveness"
 
 # grpc's own grace is set this much longer than the drain's, so that kvguard counts the streams

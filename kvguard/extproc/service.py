@@ -44,6 +44,16 @@ from kvguard.tokens.request import Kind
 log = logging.getLogger(__name__)
 
 KVGUARD_HEADER_PREFIX = "x-kvguard-"
+# The endpoint picker's headers (Gateway API Inference Extension, v1.0.0): the pod a request
+# goes to, the pod that served it, the candidates a gateway allows. Only the gateway and the
+# picker set them: a client's copy would choose the pod, so it is removed as x-kvguard-* are.
+PICKER_HEADERS = frozenset(
+    {
+        "x-gateway-destination-endpoint",
+        "x-gateway-destination-endpoint-served",
+        "x-gateway-destination-endpoint-subset",
+    }
+)
 # Envoy waits message_timeout (200 ms) for each answer. A decision still running after
 # SLOW_DECISION_S (a large prompt queued for counting, a request queued for blocks) asks Envoy,
 # once, to wait up to COUNTING_BUDGET_S plus the longest queue wait of the policy's pools.
@@ -141,7 +151,11 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
 
     def _on_request_headers(self, exchange: _Exchange, message: HttpHeaders) -> ProcessingResponse:
         headers = exchange.headers = _headers(message.headers)
-        remove = [name for name in headers if name.startswith(KVGUARD_HEADER_PREFIX)]
+        remove = [
+            name
+            for name in headers
+            if name.startswith(KVGUARD_HEADER_PREFIX) or name in PICKER_HEADERS
+        ]
         exchange.decision.request_id = headers.get("x-request-id", "")
         route = classify(headers.get(":method", ""), headers.get(":path", ""))
         if route == NOT_SERVED:  # deny by default: refused before any body is read

@@ -76,7 +76,12 @@ FORGED = {
     "x-kvguard-prompt-tokens": "1",
     "x-kvguard-would-refuse": "forged",
     "x-kvguard-reserved-output": "1",
+    # The endpoint picker's: a client never chooses the pod, or claims one served it.
+    "x-gateway-destination-endpoint": "10.0.0.9:8000",
+    "x-gateway-destination-endpoint-served": "10.0.0.9:8000",
+    "x-gateway-destination-endpoint-subset": "10.0.0.9:8000",
 }
+PICKER = [name for name in FORGED if name.startswith("x-gateway-")]
 DECISION = (
     "tenant", "lease", "blocks", "prompt_tokens", "reserved_output", "would_refuse", "max_tokens"
 )  # fmt: skip
@@ -118,6 +123,7 @@ async def test_the_access_log_shows_the_tenant_kvguard_metered(
         "max_tokens": str(upstream.json()["max_tokens"]),
     }
     assert upstream.headers["x-kvguard-lease"] != "forged"
+    assert [name for name in PICKER if name in upstream.headers] == []
 
 
 async def test_refused_requests_log_no_decision_header_their_client_sent(tmp_path: Path) -> None:

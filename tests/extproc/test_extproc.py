@@ -41,11 +41,14 @@ async def test_admitted_chat_is_clamped_and_released_at_the_end(tmp_path: Path) 
     async with running(tmp_path) as (service, stub):
         call, (on_headers, on_body) = await exchange(
             stub,
-            headers("/v1/chat/completions", {"x-kvguard-lease": "spoofed"}),
+            headers(
+                "/v1/chat/completions",
+                {"x-kvguard-lease": "spoofed", "x-gateway-destination-endpoint-subset": "a"},
+            ),
             body({**CHAT, "max_tokens": 100000}),
         )
         removed = on_headers.request_headers.response.header_mutation.remove_headers
-        assert list(removed) == ["x-kvguard-lease"]
+        assert list(removed) == ["x-kvguard-lease", "x-gateway-destination-endpoint-subset"]
         common = on_body.request_body.response
         sent = json.loads(common.body_mutation.body)
         assert sent["max_tokens"] == 512  # the pro tier's cap
@@ -168,12 +171,20 @@ async def test_the_decision_is_dynamic_metadata_for_the_access_log(tmp_path: Pat
 async def test_unguarded_path_is_not_buffered(tmp_path: Path) -> None:
     async with running(tmp_path) as (service, stub):
         _, (answer,) = await exchange(
-            stub, headers("/v1/models", {":method": "GET", "x-kvguard-blocks": "9"})
+            stub,
+            headers(
+                "/v1/models",
+                {
+                    ":method": "GET",
+                    "x-kvguard-blocks": "9",
+                    "x-gateway-destination-endpoint": "10.0.0.9:8000",
+                },
+            ),
         )
         assert answer.mode_override.request_body_mode == answer.mode_override.NONE
         assert answer.mode_override.response_header_mode == answer.mode_override.SKIP
         removed = answer.request_headers.response.header_mutation.remove_headers
-        assert list(removed) == ["x-kvguard-blocks"]
+        assert list(removed) == ["x-kvguard-blocks", "x-gateway-destination-endpoint"]
         assert await reserved(service) == 0
 
 
@@ -441,14 +452,17 @@ async def test_health_answers_serving(tmp_path: Path) -> None:
         grpc.aio.insecure_channel(f"127.0.0.1:{service.grpc.port}") as channel,
     ):
         stub = health_pb2_grpc.HealthStub(channel)
-        for name in ("", "envoy.service.ext_proc.v3.ExternalProcessor", "liveness"):
+        names = ("", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor", "liveness")
+        for name in names:
             answer = await stub.Check(health_pb2.HealthCheckRequest(service=name))
             assert answer.status == health_pb2.HealthCheckResponse.SERVING
         service.health.set("draining", True)
 
         async def not_serving() -> bool:
-            answer = await stub.Check(health_pb2.HealthCheckRequest(service=""))
-            return answer.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            answers = [
+                await stub.Check(health_pb2.HealthCheckRequest(service=name)) for name in names[:3]
+            ]
+            return all(a.status == health_pb2.HealthCheckResponse.NOT_SERVING for a in answers)
 
         await wait_until(not_serving, "readiness to turn NOT_SERVING")
         live = await stub.Check(health_pb2.HealthCheckRequest(service="liveness"))

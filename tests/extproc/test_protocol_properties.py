@@ -195,7 +195,16 @@ def check_answer(answer: Any, tenant: str | None) -> None:
     raw=st.one_of(st.none(), raw_bodies()),
     tenant=st.sampled_from([None, "acme", "", "someone", "x" * 300]),
     spoof=st.dictionaries(
-        st.sampled_from(["x-kvguard-lease", "x-kvguard-blocks", "x-kvguard-prompt-tokens"]),
+        st.sampled_from(
+            [
+                "x-kvguard-lease",
+                "x-kvguard-blocks",
+                "x-kvguard-prompt-tokens",
+                "x-gateway-destination-endpoint",
+                "x-gateway-destination-endpoint-served",
+                "x-gateway-destination-endpoint-subset",
+            ]
+        ),
         st.text(alphabet="abc123", max_size=5),
         max_size=3,
     ),
