@@ -18,9 +18,20 @@ def pool_limit(capacity: int, watermark: float) -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class PodCapacity:
+    """One vLLM server of a pool, as discovery read it: where it is reached, and its own usable
+    blocks (vLLM preempts per server, so each bounds what may be reserved on it)."""
+
+    address: str  # host:port, as the endpoint picker names a pod (IPv6 in brackets)
+    blocks: int
+
+
+@dataclass(frozen=True, slots=True)
 class PoolCapacity:
     blocks: int  # usable blocks across the pool's endpoints
     block_size: int  # tokens per block
+    # Each endpoint read, by address; () for a capacity given in the configuration.
+    pods: tuple[PodCapacity, ...] = ()
 
     def limit(self, watermark: float) -> int:
         """Most blocks that may be reserved while `watermark` of them stay free."""

@@ -34,13 +34,14 @@ import asyncio
 import contextlib
 import logging
 import time
+import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
 
 from kvguard.admission.calibration import Calibration, calibrated
-from kvguard.admission.capacity import Capacities, PoolCapacity
+from kvguard.admission.capacity import Capacities, PodCapacity, PoolCapacity
 from kvguard.admission.engine import EngineFeedback
 from kvguard.admission.outputs import Observed, OutputLengths
 from kvguard.admission.policy import Policy
@@ -62,14 +63,29 @@ _IDLE_S = 1.0
 
 
 def combine(readings: Mapping[str, EndpointCache]) -> PoolCapacity:
-    """A pool's capacity from its endpoints' readings (by URL); block sizes must agree."""
+    """A pool's capacity from its endpoints' readings (by URL), each endpoint a pod of it;
+    block sizes must agree."""
     if not readings:
         raise DiscoveryError("no endpoint has reported its cache")
     sizes = {url: r.block_size for url, r in readings.items()}
     if len(set(sizes.values())) != 1:
         described = ", ".join(f"{redact(url)}: {size}" for url, size in sorted(sizes.items()))
         raise DiscoveryError(f"endpoints disagree on block_size ({described})")
-    return PoolCapacity(sum(r.usable_blocks for r in readings.values()), next(iter(sizes.values())))
+    pods = [PodCapacity(pod_address(url), r.usable_blocks) for url, r in readings.items()]
+    pods.sort(key=lambda pod: pod.address)
+    return PoolCapacity(
+        sum(r.usable_blocks for r in readings.values()), next(iter(sizes.values())), tuple(pods)
+    )
+
+
+def pod_address(url: str) -> str:
+    """The host:port an endpoint's URL reaches (its scheme's port when it names none), as the
+    endpoint picker names a pod: `http://user:pw@10.0.0.7:8000/metrics` -> `10.0.0.7:8000`."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    if parts.port is None:
+        host = f"{host}:{443 if parts.scheme == 'https' else 80}"
+    return host
 
 
 @dataclass

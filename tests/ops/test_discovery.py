@@ -20,10 +20,10 @@ from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from kvguard import config as configs
-from kvguard.admission.capacity import Capacities, PoolCapacity
+from kvguard.admission.capacity import Capacities, PodCapacity, PoolCapacity
 from kvguard.admission.policy import TokenizerCache, build
 from kvguard.app import Service
-from kvguard.ops.discovery import STALE_AFTER_REFRESHES, Discovery, combine
+from kvguard.ops.discovery import STALE_AFTER_REFRESHES, Discovery, combine, pod_address
 from kvguard.ops.dns import resolve, service_urls
 from kvguard.ops.health import Health
 from kvguard.ops.scrape import metrics_url
@@ -89,15 +89,22 @@ def test_missing_label_is_named() -> None:
 
 
 def test_combine_sums_and_requires_one_block_size() -> None:
-    readings = {"http://a": EndpointCache(63, 128), "http://b": EndpointCache(127, 128)}
-    assert combine(readings) == PoolCapacity(190, 128)
+    readings = {"http://b:8000": EndpointCache(127, 128), "http://a": EndpointCache(63, 128)}
+    pods = (PodCapacity("a:80", 63), PodCapacity("b:8000", 127))  # each endpoint, by address
+    assert combine(readings) == PoolCapacity(190, 128, pods)
     with pytest.raises(
         DiscoveryError,
-        match=r"disagree on block_size \(http://a: 128, http://b: 128, http://c: 16\)",
+        match=r"disagree on block_size \(http://a: 128, http://b:8000: 128, http://c: 16\)",
     ):
         combine({**readings, "http://c": EndpointCache(10, 16)})
     with pytest.raises(DiscoveryError, match="no endpoint"):
         combine({})
+
+
+def test_a_pod_is_named_by_the_host_and_port_its_url_reaches() -> None:
+    assert pod_address("http://10.0.0.7:8000/metrics") == "10.0.0.7:8000"
+    assert pod_address("https://user:p%40ss@vllm-0.ns.svc/") == "vllm-0.ns.svc:443"
+    assert pod_address("http://[fd00::7]:8000") == "[fd00::7]:8000"
 
 
 def test_metrics_url_accepts_base_or_metrics_urls() -> None:
@@ -117,7 +124,10 @@ async def test_capacity_is_the_sum_over_endpoints(tmp_path: Path) -> None:
         discovery = Discovery(lambda: policy, capacities)
         async with aiohttp.ClientSession() as session:
             await discovery.refresh(session)
-        assert capacities.get("qwen") == PoolCapacity(63 + 100, 128)
+        pods = {PodCapacity(pod_address(a.url), 63), PodCapacity(pod_address(b.url), 100)}
+        capacity = capacities.get("qwen")
+        assert capacity is not None and set(capacity.pods) == pods
+        assert (capacity.blocks, capacity.block_size) == (63 + 100, 128)
         assert (a.hits, b.hits) == (1, 1)
         assert discovery.unknown() == {}
 
@@ -153,14 +163,14 @@ async def test_a_failing_endpoint_keeps_its_last_reading_for_a_bounded_time(
         with caplog.at_level(logging.INFO, logger="kvguard.ops.discovery"):
             async with aiohttp.ClientSession() as session:
                 await discovery.refresh(session)
-                assert capacities.get("qwen") == PoolCapacity(63, 128)
+                assert totals(capacities.get("qwen")) == (63, 128)
                 assert health.snapshot()["capacity"] is True
 
                 vllm.status = 500
                 for _ in range(STALE_AFTER_REFRESHES):  # still fresh enough: kept
                     clock.now += 10
                     await discovery.refresh(session)
-                    assert capacities.get("qwen") == PoolCapacity(63, 128)
+                    assert totals(capacities.get("qwen")) == (63, 128)
                 assert discovery.ages() == {"qwen": 10.0 * STALE_AFTER_REFRESHES}
                 warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
                 assert len(warnings) == 1
@@ -180,7 +190,7 @@ async def test_a_failing_endpoint_keeps_its_last_reading_for_a_bounded_time(
                 vllm.status = 200
                 clock.now += 10
                 await discovery.refresh(session)
-                assert capacities.get("qwen") == PoolCapacity(63, 128)
+                assert totals(capacities.get("qwen")) == (63, 128)
                 assert discovery.unknown() == {}
                 assert any("recovered" in r.getMessage() for r in caplog.records)
 
@@ -197,12 +207,12 @@ async def test_an_endpoint_answering_bytes_that_are_not_utf8_is_a_failing_endpoi
         discovery = Discovery(lambda: policy, capacities, clock=clock)
         async with aiohttp.ClientSession() as session:
             await discovery.refresh(session)
-            assert capacities.get("qwen") == PoolCapacity(126, 128)
+            assert totals(capacities.get("qwen")) == (126, 128)
             garbled.body = b"\xff\xfe\x00garbage\x80"
             for _ in range(STALE_AFTER_REFRESHES + 1):
                 clock.now += 10
                 await discovery.refresh(session)
-            assert capacities.get("qwen") == PoolCapacity(63, 128)  # the healthy one alone
+            assert totals(capacities.get("qwen")) == (63, 128)  # the healthy one alone
             await healthy.stop()
             for _ in range(STALE_AFTER_REFRESHES + 1):
                 clock.now += 10
@@ -219,13 +229,9 @@ async def test_the_refresh_loop_follows_changes_and_stops(tmp_path: Path) -> Non
         stop = asyncio.Event()
         task = asyncio.create_task(discovery.run(stop))
         try:
-            await wait_until(
-                lambda: _equals(capacities, PoolCapacity(63, 128)), "63 blocks of 128 tokens"
-            )
+            await wait_until(lambda: _equals(capacities, (63, 128)), "63 blocks of 128 tokens")
             vllm.text = with_labels(REAL_METRICS, num_gpu_blocks="33")
-            await wait_until(
-                lambda: _equals(capacities, PoolCapacity(32, 128)), "32 blocks of 128 tokens"
-            )
+            await wait_until(lambda: _equals(capacities, (32, 128)), "32 blocks of 128 tokens")
         finally:
             stop.set()
             await asyncio.wait_for(task, 5)
@@ -233,8 +239,13 @@ async def test_the_refresh_loop_follows_changes_and_stops(tmp_path: Path) -> Non
         assert task.done() and task.exception() is None  # stop ended the loop cleanly
 
 
-async def _equals(capacities: Capacities, expected: PoolCapacity) -> bool:
-    return capacities.get("qwen") == expected
+async def _equals(capacities: Capacities, expected: tuple[int, int]) -> bool:
+    return totals(capacities.get("qwen")) == expected
+
+
+def totals(capacity: PoolCapacity | None) -> tuple[int, int] | None:
+    """A capacity's blocks and block size, its pods left out."""
+    return None if capacity is None else (capacity.blocks, capacity.block_size)
 
 
 async def test_a_slow_endpoint_is_bounded_by_the_refresh_interval(tmp_path: Path) -> None:
@@ -280,7 +291,7 @@ async def test_a_reading_in_flight_when_a_reload_makes_the_pool_static_is_droppe
         try:
             async with aiohttp.ClientSession() as session:
                 await discovery.refresh(session)
-                assert service.capacities.get("qwen") == PoolCapacity(50, 128)
+                assert totals(service.capacities.get("qwen")) == (50, 128)
                 release = vllm.hold()
                 clock.now += 10
                 in_flight = asyncio.create_task(discovery.refresh(session, only_due=True))
@@ -311,7 +322,7 @@ async def test_a_reading_in_flight_when_a_reload_changes_the_endpoints_is_droppe
         try:
             async with aiohttp.ClientSession() as session:
                 await discovery.refresh(session)
-                assert service.capacities.get("qwen") == PoolCapacity(50, 128)
+                assert totals(service.capacities.get("qwen")) == (50, 128)
                 old.text = with_labels(REAL_METRICS, num_gpu_blocks="101")
                 release = old.hold()
                 clock.now += 10
@@ -320,9 +331,9 @@ async def test_a_reading_in_flight_when_a_reload_changes_the_endpoints_is_droppe
                 service.publish(build(discovered_config(tmp_path, [new.url])))
                 release.set()
                 await in_flight
-                assert service.capacities.get("qwen") == PoolCapacity(50, 128)  # not 100
+                assert totals(service.capacities.get("qwen")) == (50, 128)  # not 100
                 await discovery.refresh(session, only_due=True)  # the clock has not moved
-                assert service.capacities.get("qwen") == PoolCapacity(10, 128)
+                assert totals(service.capacities.get("qwen")) == (10, 128)
                 assert (old.hits, new.hits) == (2, 1)
         finally:
             await service.stop(0)
@@ -341,15 +352,15 @@ async def test_a_pool_no_longer_discovered_gets_its_configured_capacity_back(
         try:
             async with aiohttp.ClientSession() as session:
                 await discovery.refresh(session)
-                assert capacities.get("qwen") == PoolCapacity(63, 128)
+                assert totals(capacities.get("qwen")) == (63, 128)
                 config = configs.load(write_config(tmp_path, kvguard_config()))
                 service.publish(build(config, tokenizers))
                 await discovery.refresh(session)
-                assert capacities.get("qwen") == PoolCapacity(1000, 16)
+                assert totals(capacities.get("qwen")) == (1000, 16)
 
                 service.publish(build(discovered_config(tmp_path, [vllm.url]), tokenizers))
                 await discovery.refresh(session)
-                assert capacities.get("qwen") == PoolCapacity(63, 128)
+                assert totals(capacities.get("qwen")) == (63, 128)
                 data = kvguard_config()
                 data["pools"][0]["name"] = "renamed"
                 service.publish(build(configs.load(write_config(tmp_path, data)), tokenizers))
@@ -470,18 +481,26 @@ async def test_a_service_gives_the_pods_it_resolves_to_and_follows_them(tmp_path
         discovery = Discovery(lambda: policy, capacities, clock=clock, resolver=dns)
         async with aiohttp.ClientSession() as session:
             await discovery.refresh(session)
-            assert capacities.get("qwen") == PoolCapacity(200, 128)
+
+            def pods_of(*hosts: str) -> tuple[PodCapacity, ...]:
+                return tuple(PodCapacity(f"{host}:{port}", 100) for host in hosts)
+
+            assert capacities.get("qwen") == PoolCapacity(
+                200, 128, pods_of("127.0.0.2", "127.0.0.3")
+            )
             assert dns.asked == [("vllm-headless.ns.svc", port)]
             # A pod goes, another comes: the next refresh reads what DNS says then.
             dns.addresses = ["127.0.0.3", "127.0.0.4"]
             clock.now += 10
             await discovery.refresh(session, only_due=True)
-            assert capacities.get("qwen") == PoolCapacity(200, 128)
+            assert capacities.get("qwen") == PoolCapacity(
+                200, 128, pods_of("127.0.0.3", "127.0.0.4")
+            )
             assert (a.hits, b.hits, c.hits) == (1, 2, 1)
             dns.addresses = ["127.0.0.4"]
             clock.now += 10
             await discovery.refresh(session, only_due=True)
-            assert capacities.get("qwen") == PoolCapacity(100, 128)
+            assert capacities.get("qwen") == PoolCapacity(100, 128, pods_of("127.0.0.4"))
             # Not due: DNS is not asked again.
             await discovery.refresh(session, only_due=True)
             assert len(dns.asked) == 3
@@ -502,7 +521,7 @@ async def test_a_dns_that_cannot_answer_keeps_the_last_pods(
             clock.now += 10
             with caplog.at_level(logging.WARNING, logger="kvguard.ops.discovery"):
                 await discovery.refresh(session, only_due=True)
-            assert capacities.get("qwen") == PoolCapacity(200, 128)
+            assert totals(capacities.get("qwen")) == (200, 128)
             assert (a.hits, b.hits) == (2, 2)
             assert "its last 2 endpoint(s) are kept" in caplog.text
             # A name without records: no ready pods, the capacity is not known.

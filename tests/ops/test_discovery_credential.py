@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -67,10 +68,12 @@ class Pool:
         self.discovery = Discovery(lambda: policy, self.capacities)
 
     async def refresh(self) -> PoolCapacity | None:
-        """One round over every endpoint; the capacity it published."""
+        """One round over every endpoint; the capacity it published (its pods left out: one
+        endpoint here)."""
         async with aiohttp.ClientSession() as session:
             await self.discovery.refresh(session)
-        return self.capacities.get("qwen")
+        capacity = self.capacities.get("qwen")
+        return None if capacity is None else replace(capacity, pods=())
 
     @property
     def unknown(self) -> str:
