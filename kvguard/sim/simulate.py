@@ -6,7 +6,9 @@ max_model_len, and the tenancy's tiers. The engine's scheduling settings and ste
 options (defaults: vLLM's OpenAI-server defaults on GPUs under 70 GiB, max_num_seqs 256 and
 max_num_batched_tokens 2048 (H100/H200: 1024 and 8192), and rough 7-8B step costs). Every
 policy (policies.py) replays the same trace on the same engine model, at each rate scale
-(sweep.py); report.py makes the tables.
+(sweep.py); report.py makes the tables. With --pods N the pool's blocks are N engines' caches,
+each its own scheduler, requests sent to them in turn (Envoy's round robin) while the ledger
+counts the pool.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class Options:
     sweep: tuple[float, ...] = ()  # rate scales, in place of rate_scale
     ttft_slo_s: float = DEFAULT_TTFT_SLO_S
     quiet_tenant: bool = False
+    pods: int = 1  # the pool's blocks split over this many engines, routed round robin
 
     @property
     def scales(self) -> tuple[float, ...]:
@@ -64,6 +67,14 @@ def pool_capacity(config: configs.Config, options: Options) -> PoolCapacity:
             "--block-size (vLLM's num_gpu_blocks - 1 and block_size)"
         )
     return PoolCapacity(blocks, block_size)
+
+
+def per_pod(capacity: PoolCapacity, pods: int) -> PoolCapacity:
+    """One pod's share of the pool's blocks (what is left over, less than a block a pod, is
+    dropped: the pool is then what its pods' caches sum to)."""
+    if capacity.blocks < pods:
+        raise ValueError(f"{capacity.blocks} blocks cannot be split over {pods} pods")
+    return PoolCapacity(capacity.blocks // pods, capacity.block_size)
 
 
 def engine_config(config: configs.Config, capacity: PoolCapacity, options: Options) -> EngineConfig:
@@ -98,6 +109,7 @@ async def measure(
         retries=options.retries,
         slo_s=options.ttft_slo_s,
         quiet_tenant=options.quiet_tenant,
+        pods=options.pods,
     )
 
 
@@ -120,8 +132,13 @@ def describe(trace: Trace, options: Options, capacity: PoolCapacity, config: con
         f"trace {options.trace}: {trace.format}, {len(trace.requests)} requests from "
         f"{len(trace.tenants)} tenant(s) over {trace.duration_s:.0f} s ({rate:.2f} req/s"
         f"{scaling}); {limits} send max_tokens, the others the tier default",
-        f"pool {pool.name}: {capacity.blocks} blocks of {capacity.block_size} tokens, "
-        f"watermark {pool.watermark} (kvguard admits up to "
+        f"pool {pool.name}: {capacity.blocks} blocks of {capacity.block_size} tokens"
+        + (
+            f" on {options.pods} pods of {capacity.blocks // options.pods}, routed round robin"
+            if options.pods > 1
+            else ""
+        )
+        + f", watermark {pool.watermark} (kvguard admits up to "
         f"{capacity.limit(pool.watermark)} blocks), max_model_len {engine.max_model_len}",
         f"tiers: {tiers}",
         f"engine: max_num_seqs {engine.max_num_seqs}, max_num_batched_tokens "
@@ -172,6 +189,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"add a tenant {QUIET_TENANT!r} sending {QUIET_RATE:g} req/s and "
                         "report its p99 TTFT against it replayed alone")  # fmt: skip
     parser.add_argument("--limit", type=int, help="replay only the first N requests")
+    parser.add_argument("--pods", type=int, default=1, help="the pool's blocks split over N "
+                        "engines (vLLM pods), requests sent to them in turn as Envoy's round "
+                        "robin does (default 1)")  # fmt: skip
     parser.add_argument(
         "--retries",
         type=int,
@@ -215,6 +235,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         sweep = _numbers(args.sweep, "--sweep") if args.sweep else ()
         if args.ttft_slo <= 0:
             raise ValueError(f"--ttft-slo {args.ttft_slo:g}: expected seconds above 0")
+        if args.pods < 1:
+            raise ValueError(f"--pods {args.pods}: expected 1 or more")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -236,6 +258,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             sweep=sweep,
             ttft_slo_s=args.ttft_slo,
             quiet_tenant=args.quiet_tenant,
+            pods=args.pods,
         )
     )
 
@@ -243,10 +266,12 @@ def run_from_args(args: argparse.Namespace) -> int:
 def run(options: Options) -> int:
     try:
         config = configs.load(options.config)
-        capacity = pool_capacity(config, options)
+        pod = per_pod(pool_capacity(config, options), options.pods)
+        # The ledger's: what discovery would sum over the pods.
+        capacity = PoolCapacity(pod.blocks * options.pods, pod.block_size)
         trace = load(options.trace, limit=options.limit)
         shown = trace if options.sweep else trace.scaled(options.rate_scale)
-        engine = engine_config(config, capacity, options)
+        engine = engine_config(config, pod, options)
         if options.quiet_tenant and QUIET_TENANT in trace.tenants:
             raise TraceError(f"{options.trace}: has a tenant {QUIET_TENANT!r} already, the "
                              "name --quiet-tenant gives its own")  # fmt: skip

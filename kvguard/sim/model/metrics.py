@@ -10,7 +10,7 @@ consecutive tokens, with vLLM's bucket bounds.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvguard.sim.model.engine import TOKEN_GAP_BOUNDS, Engine
@@ -25,9 +25,18 @@ class Snapshot:
     preemptions: int
 
 
-def snapshot(engine: Engine, t: float) -> Snapshot:
+def snapshot(engines: Sequence[Engine], t: float) -> Snapshot:
+    """The pods of a pool at `t`: the used share of all their blocks, their requests summed."""
+    if len(engines) == 1:  # the share as vLLM reports it, to the last bit
+        usage = engines[0].pool.usage()
+    else:
+        usage = sum(e.pool.used for e in engines) / sum(e.pool.usable for e in engines)
     return Snapshot(
-        t, engine.pool.usage(), len(engine.running), len(engine.waiting), engine.preemptions_total
+        t,
+        usage,
+        sum(len(e.running) for e in engines),
+        sum(len(e.waiting) for e in engines),
+        sum(e.preemptions_total for e in engines),
     )
 
 

@@ -7,6 +7,10 @@ their lease when their step ends. A request sends the trace's `max_tokens` (or n
 answer stops at the trace's output length, or at the limit the engine applies when that is less:
 kvguard's clamped or injected one when gated, else the client's, else vLLM's own default
 (max_model_len less the prompt). Refused requests are not retried unless asked to.
+
+A pool of several pods is several engines, each with its own cache, scheduler and steps, as
+vLLM runs one per pod; an admitted request goes to the next pod in turn (`round_robin`: Envoy's
+balancing, which knows nothing of what is reserved where), and a pod preempts on its own.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvguard.errors import RETRY_AFTER_S, Code
-from kvguard.sim.model.engine import Engine, EngineConfig, Sequence
+from kvguard.sim.model.engine import Engine, EngineConfig, Sequence, StepResult
 from kvguard.sim.model.gate import PolicyGate, Verdict
 from kvguard.sim.model.metrics import Snapshot, snapshot
 from kvguard.sim.model.trace import TraceRequest
@@ -79,6 +83,9 @@ class Run:
     trust: list[tuple[float, float]] = field(default_factory=list)  # the loop's (calibrated)
     end_s: float = 0.0
     preemptions: int = 0
+    pod_preemptions: list[int] = field(default_factory=list)  # each pod's, in pod order
+    # The blocks the pods held, each over its own busy time (the peak: the fullest any pod
+    # was), and the ledger's reservations (the pool's) over the same steps.
     kv: KvUse = field(default_factory=KvUse)
 
 
@@ -98,10 +105,11 @@ async def replay(
     label: str,
     retries: int = 0,
     reserve: Callable[[TraceRequest], int | None] | None = None,
+    pods: int = 1,
 ) -> Run:
-    """Run `requests` (sorted by arrival) through a fresh engine; guarded when a gate is made,
-    each request reserving `reserve(request)` output tokens (None, or no `reserve`: its whole
-    limit).
+    """Run `requests` (sorted by arrival) through `pods` fresh engines of `config`, admitted
+    requests sent to them in turn; guarded when a gate is made, each request reserving
+    `reserve(request)` output tokens (None, or no `reserve`: its whole limit).
 
     A request refused with a 429 comes back after its retry-after (in ms, as the OpenAI SDK
     reads it), `retries` times at most, unless told not to retry; its TTFT counts from its
@@ -109,7 +117,9 @@ async def replay(
     """
     clock = _Clock()
     gate = gate_factory(clock) if gate_factory is not None else None
-    engine = Engine(config)
+    engines = [Engine(config) for _ in range(pods)]
+    turn = itertools.cycle(engines)  # round robin over the pods
+    steps: list[StepResult | None] = [None] * pods  # the step each pod is in, if any
     run = Run(label)
     horizon = requests[-1].arrival_s if requests else 0.0
     sample_every = max(horizon, 1.0) / MAX_SAMPLES * 2
@@ -167,31 +177,46 @@ async def replay(
             tenant=request.tenant,
             stop_after=request.output_tokens,
         )
-        engine.add(outcome.seq)
+        next(turn).add(outcome.seq)
         open_leases[outcome.seq.uid] = (verdict, outcome.seq)
 
     def progress() -> list[tuple[Verdict, int]]:
         return [(verdict, seq.output_tokens) for verdict, seq in open_leases.values()]
 
+    def idle() -> bool:
+        return all(step is None for step in steps) and all(e.idle for e in engines)
+
     now = 0.0
-    while arrivals or not engine.idle or waiting:
-        if engine.idle and not arrivals:  # only waiters left: their waits end
-            now = max(now, min(until for _, until in waiting.values()))
-            for index, (attempt, until) in list(waiting.items()):
-                await arrive(now, index, attempt, final=now >= until)
-            continue
-        if engine.idle:
+    while arrivals or waiting or not idle():
+        if idle():
+            if not arrivals:  # only waiters left: their waits end
+                now = max(now, min(until for _, until in waiting.values()))
+                for index, (attempt, until) in list(waiting.items()):
+                    await arrive(now, index, attempt, final=now >= until)
+                continue
             now = max(now, arrivals[0][0])
         while arrivals and arrivals[0][0] <= now:
             at, _, index, attempt = heapq.heappop(arrivals)
             await arrive(at, index, attempt)
-        result = engine.step(now)
-        if result is None:
+        # Each pod without a step in progress starts one with what it has.
+        for pod, engine in enumerate(engines):
+            if steps[pod] is None:
+                steps[pod] = engine.step(now)
+        ends = [(step.end, pod) for pod, step in enumerate(steps) if step is not None]
+        if not ends:
             continue
-        # Arrivals during the step are decided at their own time and wait for the next step.
-        while arrivals and arrivals[0][0] < result.end:
-            at, _, index, attempt = heapq.heappop(arrivals)
-            await arrive(at, index, attempt)
+        end, pod = min(ends)
+        # Arrivals before the first step ends are decided at their own time; a pod that was
+        # idle starts on them at once, the others take them at their next step.
+        if arrivals and arrivals[0][0] < end:
+            now = arrivals[0][0]
+            while arrivals and arrivals[0][0] <= now:
+                at, _, index, attempt = heapq.heappop(arrivals)
+                await arrive(at, index, attempt)
+            continue
+        engine, result = engines[pod], steps[pod]
+        assert result is not None
+        steps[pod] = None
         now = clock.now = result.end
         # What the step held: the engine freed the finished sequences' blocks as it ended, and
         # their leases are released next.
@@ -209,13 +234,16 @@ async def replay(
             await arrive(now, index, attempt, final=now >= until)
         if gate is not None:
             gate.stepped(result.end - result.start)
-            await gate.tick(now, engine.preemptions_total, engine.pool.used, progress)
-        if now >= next_sample or engine.idle:
-            run.timeline.append(snapshot(engine, now))
+            preemptions = sum(e.preemptions_total for e in engines)
+            used_now = sum(e.pool.used for e in engines)
+            await gate.tick(now, preemptions, used_now, progress)
+        if now >= next_sample or idle():
+            run.timeline.append(snapshot(engines, now))
             if gate is not None:
                 run.reserved.append((now, await gate.reserved()))
                 run.trust.append((now, gate.trust))
             next_sample = now + sample_every
     run.end_s = now
-    run.preemptions = engine.preemptions_total
+    run.pod_preemptions = [e.preemptions_total for e in engines]
+    run.preemptions = sum(run.pod_preemptions)
     return run

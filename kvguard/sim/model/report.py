@@ -2,14 +2,16 @@
 
 - served: requests that ran to their end; refused: requests refused in the end (429, after any
   retries, or 400 when they can never fit), by refusal code;
-- preemptions: recompute preemptions of the requests;
+- preemptions: recompute preemptions of the requests (in a pool of several pods, also each
+  pod's: vLLM preempts per pod);
 - goodput: output tokens of served requests whose TTFT is within the SLO, per second of the
   run's span (the arrival window plus the drain: first arrival to last completion), tokens/s.
   A refused request counts zero, so refusing never adds to it;
 - TTFT p50/p99: arrival (the first attempt) to first output token of admitted requests
   (nearest rank), seconds;
 - KV used against reserved: blocks the engine holds and blocks the ledger reserves after each
-  step, their mean over the time the engine is busy and their peak;
+  step, their mean over the time the engine is busy and their peak (several pods: each pod's
+  blocks over its own steps, the peak the fullest pod; the ledger's, the pool's);
 - Jain's fairness index over tenants of x = output tokens served ÷ the output tokens of the
   tenant's trace requests, its demand (1: every tenant got the same share of its demand; 1/n:
   one tenant got everything).
@@ -66,6 +68,7 @@ class PolicyStats:
     fairness: float
     quiet_p99: float | None = None  # the quiet tenant's TTFT p99 beside the trace
     quiet_alone_p99: float | None = None  # and replayed alone
+    pod_preemptions: tuple[int, ...] = ()  # each pod's, in a pool of several
 
     @property
     def refused_total(self) -> int:
@@ -159,6 +162,7 @@ def policy_stats(run: Run, rate_scale: float, gated: bool, slo_s: float) -> Poli
         reserved_mean=run.kv.reserved_mean if gated else None,
         reserved_peak=run.kv.reserved_peak if gated else None,
         fairness=fairness(tenant_stats(run, slo_s=slo_s)),
+        pod_preemptions=tuple(run.pod_preemptions) if len(run.pod_preemptions) > 1 else (),
     )
 
 
@@ -187,6 +191,9 @@ def policy_table(rows: Sequence[PolicyStats], slo_s: float) -> str:
               "Jain"]  # fmt: skip
     if quiet:
         header.append("quiet p99 (alone)")
+    by_pod = any(r.pod_preemptions for r in rows)
+    if by_pod:
+        header.append("preempt by pod")
     cells = [header]
     for r in rows:
         line = [
@@ -204,6 +211,8 @@ def policy_table(rows: Sequence[PolicyStats], slo_s: float) -> str:
         ]
         if quiet:
             line.append(f"{_s(r.quiet_p99)} ({_s(r.quiet_alone_p99)})")
+        if by_pod:
+            line.append("/".join(map(str, r.pod_preemptions)) or "-")
         cells.append(line)
     lines = _columns(cells, right=set(range(2, len(header))))
     lines.append("")

@@ -58,10 +58,12 @@ async def replay_policy(
     capacity: PoolCapacity,
     engine: EngineConfig,
     retries: int = 0,
+    pods: int = 1,
 ) -> Run:
-    """`requests` replayed under `policy` on a fresh engine (and ledger, when it gates)."""
+    """`requests` replayed under `policy` on `pods` fresh engines (and a ledger, when it gates,
+    over the pool's `capacity`: every pod's blocks)."""
     if not policy.gated:
-        return await replay(requests, engine, None, label=policy.name)
+        return await replay(requests, engine, None, label=policy.name, pods=pods)
     return await replay(
         requests,
         engine,
@@ -69,6 +71,7 @@ async def replay_policy(
         label=policy.name,
         retries=retries,
         reserve=policy.reserve,
+        pods=pods,
     )
 
 
@@ -79,11 +82,12 @@ async def compare(
     engine: EngineConfig,
     retries: int = 0,
     policies: list[Policy] | None = None,
+    pods: int = 1,
 ) -> list[Run]:
     """One run per policy (all of them by default), on the same trace and engine model."""
     chosen = policies if policies is not None else list(POLICIES.values())
     return [
-        await replay_policy(trace.requests, policy, config, capacity, engine, retries)
+        await replay_policy(trace.requests, policy, config, capacity, engine, retries, pods)
         for policy in chosen
     ]
 
@@ -99,6 +103,7 @@ async def measure(
     retries: int,
     slo_s: float,
     quiet_tenant: bool,
+    pods: int = 1,
 ) -> tuple[list[PolicyStats], list[Run]]:
     """Each policy's figures at each rate scale (the quiet tenant added when asked), and the
     runs of the last scale."""
@@ -109,11 +114,11 @@ async def measure(
         quiet = quiet_requests(scaled) if quiet_tenant else []
         if quiet_tenant:
             scaled = with_quiet(scaled, quiet)
-        runs = await compare(scaled, config, capacity, engine, retries, policies)
+        runs = await compare(scaled, config, capacity, engine, retries, policies, pods)
         for policy, run in zip(policies, runs, strict=True):
             stats = policy_stats(run, scale, policy.gated, slo_s)
             if quiet_tenant:
-                alone = await replay_policy(quiet, policy, config, capacity, engine)
+                alone = await replay_policy(quiet, policy, config, capacity, engine, pods=pods)
                 stats = replace(stats, quiet_p99=tenant_p99(run, QUIET_TENANT),
                                 quiet_alone_p99=tenant_p99(alone, QUIET_TENANT))  # fmt: skip
             rows.append(stats)
