@@ -20,7 +20,7 @@ from kvguard.admission.outputs import OutputLengths
 from kvguard.admission.queue import AdmissionQueue
 from kvguard.config.reload import PolicyWatcher
 from kvguard.config.schema import Config
-from kvguard.extproc.server import GrpcServer
+from kvguard.extproc.server import GrpcServer, load_tls
 from kvguard.extproc.service import ExternalProcessor
 from kvguard.ledger.replicas import ReplicaCount
 from kvguard.ledger.url import from_url
@@ -169,6 +169,7 @@ class Service:
         admin = AdminService(
             lambda: self.policy, self.ledger, self.capacities, self.keeper, self.queue.notify
         )
+        tls = config.server.tls
         self.grpc = GrpcServer(
             config.server.grpc_listen,
             processor,
@@ -176,6 +177,7 @@ class Service:
             max(MIN_GRPC_MESSAGE_BYTES, 2 * config.server.max_body_bytes),
             [admin.add_to] if config.server.admin else [],
             reuse_port=config.server.workers > 1,
+            tls=None if tls is None else load_tls(tls.certificate_file, tls.key_file),
         )
 
     def publish(self, policy: policies.Policy) -> None:

@@ -50,6 +50,14 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class TlsConfig(_Strict):
+    """TLS on the ext_proc port: the server's certificate (PEM, any chain after it) and its key,
+    read when kvguard starts (a restart applies new files)."""
+
+    certificate_file: Annotated[str, Field(min_length=1)]
+    key_file: Annotated[str, Field(min_length=1)]
+
+
 class ServerSettings(_Strict):
     grpc_listen: str = "127.0.0.1:50051"
     metrics_listen: str = "127.0.0.1:9464"
@@ -62,6 +70,7 @@ class ServerSettings(_Strict):
     # The share of guarded exchanges whose response kvguard reads (docs/design.md, "The
     # response path"); 0 reads none.
     response_sample: Annotated[float, Field(ge=0, le=1)] = 0.05
+    tls: TlsConfig | None = None  # None: plaintext, for a gateway on loopback or in the pod
 
     @field_validator("grpc_listen")
     @classmethod

@@ -1,9 +1,11 @@
-"""The gRPC server: ext_proc and grpc.health.v1 on one port."""
+"""The gRPC server: ext_proc and grpc.health.v1 on one port, plaintext or TLS."""
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
@@ -31,6 +33,19 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 AddService = Callable[[grpc.aio.Server], None]
 
 
+def load_tls(certificate_file: str, key_file: str) -> tuple[bytes, bytes]:
+    """The key and certificate chain a TLS port serves, checked to be a certificate and its
+    key: OSError (ssl.SSLError for a bad pair) saying which files, before any port is bound."""
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(certificate_file, key_file)
+    except ssl.SSLError as exc:
+        raise ssl.SSLError(
+            f"server.tls: {certificate_file} and {key_file} are not a PEM certificate and its "
+            f"key ({exc.reason or exc})"
+        ) from None
+    return Path(key_file).read_bytes(), Path(certificate_file).read_bytes()
+
+
 class GrpcServer:
     def __init__(
         self,
@@ -41,7 +56,9 @@ class GrpcServer:
         services: Iterable[AddService] = (),
         *,
         reuse_port: bool = False,
+        tls: tuple[bytes, bytes] | None = None,
     ) -> None:
+        """`tls`: the key and certificate chain (load_tls) to serve TLS with; None: plaintext."""
         self._server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
@@ -57,7 +74,11 @@ class GrpcServer:
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         try:
-            self.port = self._server.add_insecure_port(listen)
+            if tls is None:
+                self.port = self._server.add_insecure_port(listen)
+            else:
+                credentials = grpc.ssl_server_credentials([tls])
+                self.port = self._server.add_secure_port(listen, credentials)
         except RuntimeError:  # grpc's way of saying the address is taken or invalid
             self.port = 0
         if self.port == 0:
