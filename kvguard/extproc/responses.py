@@ -30,6 +30,8 @@ METADATA_NAMESPACE = "envoy.filters.http.ext_proc"
 # its response body to kvguard (the route removes it before the request goes upstream).
 OBSERVE_HEADER = "x-kvguard-observe"
 _OBSERVE = {OBSERVE_HEADER: "1"}
+# A streamed body goes back to Envoy in chunks no larger than this, as GIE gateways take them.
+STREAMED_CHUNK_BYTES = 62_000
 
 # For the read-only paths (routes.READ_ONLY_PATHS): no body buffering, no response messages.
 PASS_THROUGH_MODE = ProcessingMode(
@@ -54,11 +56,12 @@ def _mutate(
 
 
 def request_headers(
-    remove: list[str], *, guarded: bool, observe: bool = False
+    remove: list[str], *, guarded: bool, observe: bool = False, override: bool = True
 ) -> ProcessingResponse:
     """Continue after request headers, dropping client-sent kvguard headers. With `observe`,
     OBSERVE_HEADER is set: envoy.yaml's observing filter, after this one, reads the headers as
-    changed here, so only kvguard's mark (never a client's) sends it the response body."""
+    changed here, so only kvguard's mark (never a client's) sends it the response body. An
+    unguarded request's messages stop here (PASS_THROUGH_MODE) unless not to `override`."""
     response = ProcessingResponse()
     common = response.request_headers.response
     if observe:
@@ -67,7 +70,7 @@ def request_headers(
         _mutate(common.header_mutation, {}, remove)
     else:
         common.SetInParent()
-    if not guarded:
+    if not guarded and override:
         response.mode_override.CopyFrom(PASS_THROUGH_MODE)
     return response
 
@@ -89,6 +92,43 @@ def admitted_body(admitted: Admitted, *, expose_limit: bool = False) -> Processi
         _mutate(common.header_mutation, {**headers, "content-length": str(len(body))})
         common.body_mutation.body = body
     _set_metadata(response, metadata)
+    return response
+
+
+def streamed_admission(
+    headers_answer: ProcessingResponse,
+    body_answer: ProcessingResponse,
+    body: bytes,
+    *,
+    end_of_stream: bool = True,
+) -> list[ProcessingResponse]:
+    """A FULL_DUPLEX_STREAMED admission as Envoy takes it: the request headers' answer (held
+    until the body's end) with the decision's headers, content-length and dynamic metadata of
+    `body_answer` (admitted_body's), then the body it forwards (the rewritten one, else `body`)
+    in chunks of at most STREAMED_CHUNK_BYTES, the last one ending the stream unless trailers
+    follow (not `end_of_stream`)."""
+    decided = body_answer.request_body.response
+    forwarded = decided.body_mutation.body if decided.HasField("body_mutation") else body
+    answer = ProcessingResponse()
+    answer.CopyFrom(headers_answer)
+    mutation = answer.request_headers.response.header_mutation
+    mutation.MergeFrom(decided.header_mutation)
+    if not decided.HasField("body_mutation"):  # as sent: its length said all the same
+        _mutate(mutation, {"content-length": str(len(forwarded))})
+    answer.dynamic_metadata.CopyFrom(body_answer.dynamic_metadata)
+    chunks = [forwarded[i : i + STREAMED_CHUNK_BYTES]
+              for i in range(0, len(forwarded), STREAMED_CHUNK_BYTES)] or [b""]  # fmt: skip
+    last = len(chunks) - 1
+    return [answer] + [
+        streamed_body("request_body", c, end_of_stream and i == last) for i, c in enumerate(chunks)
+    ]
+
+
+def streamed_body(kind: str, chunk: bytes, end_of_stream: bool) -> ProcessingResponse:
+    """A FULL_DUPLEX_STREAMED body chunk sent back (`kind`: request_body or response_body)."""
+    response = ProcessingResponse()
+    streamed = getattr(response, kind).response.body_mutation.streamed_response
+    streamed.body, streamed.end_of_stream = chunk, end_of_stream
     return response
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import grpc
 from envoy.config.core.v3.base_pb2 import HeaderMap
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
     HttpBody,
@@ -60,6 +61,7 @@ PICKER_HEADERS = frozenset(
 # Envoy ignores (does not cap) a wait above its max_message_timeout, and then answers 504 at
 # message_timeout: the shipped configurations hold 35 s, what the configuration allows.
 SLOW_DECISION_S = 0.1
+FULL_DUPLEX_STREAMED = ProcessingMode.FULL_DUPLEX_STREAMED
 
 
 @dataclass
@@ -76,6 +78,14 @@ class _Exchange:
     # An observing stream: the lease whose response it reads, and the body read so far.
     observing: str = ""
     reader: BodyReader | None = None
+    # FULL_DUPLEX_STREAMED (as the Gateway API Inference Extension's gateways send bodies):
+    # the request body comes in chunks that Envoy does not wait on, the headers' answer waits
+    # for its end, and every body chunk must be sent back (what is not, upstream never sees).
+    streamed: bool = False
+    streamed_response: bool = False
+    headers_answer: ProcessingResponse | None = None  # held until the body's end
+    parts: list[bytes] = field(default_factory=list)  # the body so far
+    size: int = 0
 
 
 def _headers(header_map: HeaderMap) -> dict[str, str]:
@@ -128,20 +138,49 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
                         self._open_streams, counted = self._open_streams - 1, False
                     self._on_observed(exchange, message)
                     continue
+                if message.HasField("protocol_config"):  # the first message says the modes
+                    modes = message.protocol_config
+                    exchange.streamed = modes.request_body_mode == FULL_DUPLEX_STREAMED
+                    exchange.streamed_response = modes.response_body_mode == FULL_DUPLEX_STREAMED
+                answers: list[ProcessingResponse]
                 try:
                     match message.WhichOneof("request"):
                         case "request_headers":
-                            response = self._on_request_headers(exchange, message.request_headers)
+                            answers = [self._on_request_headers(exchange, message.request_headers)]
+                            if exchange.streamed and exchange.kind is not None:
+                                exchange.headers_answer = answers.pop()
+                        case "request_body" if exchange.streamed:
+                            answers, decided = await self._on_streamed_body(
+                                exchange, message.request_body, context
+                            )
+                            admitted = admitted or decided
                         case "request_body":
                             response, decided = await self._on_request_body(
                                 exchange, message.request_body, context
                             )
+                            answers = [response]
                             admitted = admitted or decided
+                        case "request_trailers" if exchange.streamed and exchange.parts:
+                            # The body ended with trailers: decided now, trailers after it.
+                            end = HttpBody(end_of_stream=True)
+                            answers, decided = await self._on_streamed_body(
+                                exchange, end, context, trailers=True
+                            )
+                            admitted = admitted or decided
+                            answers.append(responses.continue_response("request_trailers"))
+                        case "response_body" if exchange.streamed_response:
+                            body = message.response_body
+                            answers = [
+                                responses.streamed_body(
+                                    "response_body", body.body, body.end_of_stream
+                                )
+                            ]
                         case kind:
-                            response = responses.continue_response(str(kind))
+                            answers = [responses.continue_response(str(kind))]
                 except Exception as exc:
-                    response = self._answer_error(exchange, exc)
-                await context.write(response)
+                    answers = [self._answer_error(exchange, exc)]
+                for answer in answers:
+                    await context.write(answer)
         finally:
             if admitted is not None and admitted.lease is not None:
                 self._keeper.release(admitted.lease)
@@ -166,12 +205,46 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
         # the gateway may give vLLM its own key, and /tokenize spends vLLM's CPU.
         identity = identify_request(exchange.policy, headers)
         if route == READ_ONLY:
-            return responses.request_headers(remove, guarded=False)
+            # Streamed, the body mode stays: its chunks go back as they come.
+            return responses.request_headers(remove, guarded=False, override=not exchange.streamed)
         exchange.identity = identity
         if message.end_of_stream:
             raise invalid("this endpoint needs a JSON request body")
         exchange.observed = self._sampler.pick(exchange.decision.request_id)
         return responses.request_headers(remove, guarded=True, observe=exchange.observed)
+
+    async def _on_streamed_body(
+        self,
+        exchange: _Exchange,
+        message: HttpBody,
+        context: grpc.aio.ServicerContext[ProcessingRequest, ProcessingResponse],
+        *,
+        trailers: bool = False,
+    ) -> tuple[list[ProcessingResponse], Admitted | None]:
+        """A FULL_DUPLEX_STREAMED body chunk: a guarded request's chunks are kept until the
+        body's end, then decided whole; the answers are the held headers' (with the decision's
+        headers) and the body, sent back in chunks (its end left to the `trailers` that follow,
+        when they do). Anything else goes back as it came."""
+        if exchange.kind is None or exchange.identity is None or exchange.recorded:
+            return [
+                responses.streamed_body("request_body", message.body, message.end_of_stream)
+            ], None
+        exchange.size += len(message.body)
+        limit = self._admission.settings.max_body_bytes
+        if exchange.size > limit:  # refused before it is all held in memory
+            raise Refusal(Code.REQUEST_TOO_LARGE, f"the request body is larger than {limit} bytes")
+        exchange.parts.append(message.body)
+        if not message.end_of_stream:
+            return [], None
+        body = b"".join(exchange.parts)
+        exchange.parts.clear()
+        whole = HttpBody(body=body, end_of_stream=True)
+        answer, admitted = await self._on_request_body(exchange, whole, context)
+        assert exchange.headers_answer is not None
+        answers = responses.streamed_admission(
+            exchange.headers_answer, answer, body, end_of_stream=not trailers
+        )
+        return answers, admitted
 
     async def _on_request_body(
         self,
