@@ -13,6 +13,13 @@ after it was admitted (a running request's reservation raised as it decodes): `r
 more blocks than the ledger counts raises them, without any check, and never lowers them;
 `release` gives back what the ledger counts, grown or not.
 
+A claim may name the pods it may run on (`Claim.pods`, each with its own limit: vLLM preempts
+per pod, so each pod bounds what is reserved on it). Then it is admitted only on a pod where it
+fits, beside its quota and the pool's limit, and the ledger picks that pod in the same atomic
+step: of the pods where it fits, the one left with the most free blocks (the earlier one on a
+tie). Its lease is held on that pod (`Lease.pod`) until it ends; `reassert` with another pod
+moves it there. A claim without pods is counted in the pool alone, as a pool of one pod.
+
 A lease is expected to end when its claim (or its latest `reassert`) says: `ends_in_s`, its
 remaining output at the pool's inter-token time; without one, at its expiry.
 
@@ -54,6 +61,15 @@ class Terms:
 
 
 @dataclass(frozen=True, slots=True)
+class PodLimit:
+    """A pod a claim may be reserved on, and the most blocks it may hold reserved (its
+    capacity minus the watermark)."""
+
+    address: str  # host:port, the endpoint picker's name for the pod
+    limit: int
+
+
+@dataclass(frozen=True, slots=True)
 class Claim:
     """What one request asks for. All amounts are KV blocks of the pool's block size."""
 
@@ -70,10 +86,13 @@ class Claim:
     # Seconds until the lease is expected to end: its output limit at the pool's inter-token
     # time. None: at its expiry.
     ends_in_s: float | None = None
+    # The pods it may be reserved on, in order of preference (the pick's ties); (): the pool
+    # alone counts it.
+    pods: tuple[PodLimit, ...] = ()
 
-    def lease(self) -> Lease:
-        """The lease this claim takes when admitted."""
-        return Lease(self.lease_id, self.pool, self.tenant, self.blocks)
+    def lease(self, pod: str = "") -> Lease:
+        """The lease this claim takes when admitted (on `pod`, when it names pods)."""
+        return Lease(self.lease_id, self.pool, self.tenant, self.blocks, pod=pod)
 
 
 class Outcome(enum.Enum):
@@ -91,6 +110,7 @@ class Lease:
     # As sent to `reassert`: seconds from then until it is expected to end (its remaining
     # output at the pool's inter-token time); None keeps what the ledger has.
     ends_in_s: float | None = None
+    pod: str = ""  # the pod it is held on; "": the pool alone (sent to reassert: keep its own)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +152,7 @@ class PoolUsage:
     promised: int = 0  # blocks promised to retries (not in `reserved`)
     promises: int = 0
     holding: int = 0  # of the promised blocks, those held for retries that came back
+    pods: dict[str, int] = field(default_factory=dict)  # blocks reserved on each pod (not 0)
 
 
 class LedgerUnavailable(Exception):
@@ -155,7 +176,13 @@ class Ledger(Protocol):
         before it; with a `retry_key` it is promised that slot when it is within `max_wait_s`
         and its tenant's budget of open promises allows. A claim holding a promise whose time
         has not come keeps it; one whose time has come that does not fit yet starts holding
-        its blocks and is told how long they stay held for it (`waiting_s`)."""
+        its blocks and is told how long they stay held for it (`waiting_s`).
+
+        A claim with `pods` fits only on one of them whose reserved blocks and its own stay
+        within that pod's limit (held promises are the pool's and the tenant's, not a pod's);
+        the admitted lease is on the pod left with the most free blocks, the earliest on a
+        tie. A claim larger than every pod's limit is impossible. A refused one is told, as
+        well, when the first of its pods is expected to free enough."""
 
     async def release(self, lease: Lease) -> None:
         """Give back the blocks the ledger counts for the lease (grown ones included).
@@ -175,8 +202,10 @@ class Ledger(Protocol):
         `lease.blocks`: the pool's and the tenant's reserved blocks rise by the difference,
         always granted (no limit or quota check; it may take the pool past its limit, and new
         reservations are then refused until leases end). Counted blocks never shrink: a
-        smaller (stale) copy only renews. Idempotent. Returns how many leases were recorded
-        again (a lease that grew was held, so it does not count)."""
+        smaller (stale) copy only renews. A held lease sent with a `pod` other than its own
+        is moved there, its blocks with it (its request was served there). Idempotent.
+        Returns how many leases were recorded again (a lease that grew was held, so it does
+        not count)."""
 
     async def usage(self, pool: str) -> PoolUsage:
         """Blocks and leases held in `pool` (expired leases reclaimed first), per tenant."""

@@ -20,6 +20,7 @@ import redis.exceptions as rexc
 from redis.asyncio.client import PubSub
 from redis.asyncio.cluster import RedisCluster
 
+from kvguard.ledger.scripts import text
 from kvguard.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -35,10 +36,6 @@ def freed_channel(pool: str) -> str:
     """The sharded pub/sub channel on which the scripts publish the blocks freed in `pool`
     (lib.lua, publish_freed): the pool's hash tag, so its slot."""
     return f"kvguard:{{{pool}}}:freed"
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 class _Subscriber(PubSub):
@@ -228,7 +225,7 @@ class FreedSubscription:
                 pinged = True
                 continue
             pinged = False
-            kind = _text(message["type"])
+            kind = text(message["type"])
             pool = channels.get(message["channel"]) if message["channel"] is not None else None
             if pool is None:
                 continue

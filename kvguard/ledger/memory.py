@@ -21,6 +21,7 @@ from kvguard.ledger import (
     Lease,
     LeaseInfo,
     Outcome,
+    PodLimit,
     PoolUsage,
     Reservation,
 )
@@ -42,10 +43,14 @@ class _Pool:
     tenants: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
     leases: dict[str, _Held] = field(default_factory=dict)
     expiries: list[tuple[float, str]] = field(default_factory=list)  # heap; may hold stale ids
-    # The leases in order of their expected ends, (end, lease id): the pool's, and each
-    # tenant's (kept sorted with bisect; an entry changes when its lease's end does).
+    pods: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
+    # The leases in order of their expected ends, (end, lease id): the pool's, each tenant's
+    # and each pod's (kept sorted with bisect; an entry changes when its lease's end does).
     ends: list[tuple[float, str]] = field(default_factory=list)
     tenant_ends: defaultdict[str, list[tuple[float, str]]] = field(
+        default_factory=lambda: defaultdict(list)
+    )
+    pod_ends: defaultdict[str, list[tuple[float, str]]] = field(
         default_factory=lambda: defaultdict(list)
     )
     promises: Promises = field(default_factory=Promises)  # the retries promised a slot
@@ -56,6 +61,8 @@ class _Pool:
         heapq.heappush(self.expiries, (expiry, lease.lease_id))
         self.reserved += lease.blocks
         self.tenants[lease.tenant] += lease.blocks
+        if lease.pod:
+            self.pods[lease.pod] += lease.blocks
         self._index(held)
 
     def drop(self, lease_id: str) -> None:
@@ -66,6 +73,28 @@ class _Pool:
         self._unindex(held)
         self.reserved -= lease.blocks
         add_to(self.tenants, lease.tenant, -lease.blocks)
+        if lease.pod:
+            add_to(self.pods, lease.pod, -lease.blocks)
+
+    def grow(self, held: _Held, blocks: int) -> None:
+        """Count `blocks` for a held lease that counts fewer (no checks)."""
+        counted = held.lease
+        growth = blocks - counted.blocks
+        self.reserved += growth
+        self.tenants[counted.tenant] += growth
+        if counted.pod:
+            self.pods[counted.pod] += growth
+        held.lease = replace(counted, blocks=blocks)
+
+    def move(self, held: _Held, pod: str) -> None:
+        """Hold a lease on `pod` instead of its own (no checks)."""
+        self._unindex(held)
+        counted = held.lease
+        if counted.pod:
+            add_to(self.pods, counted.pod, -counted.blocks)
+        self.pods[pod] += counted.blocks
+        held.lease = replace(counted, pod=pod)
+        self._index(held)
 
     def expect_end(self, held: _Held, end: float) -> None:
         if end != held.end:
@@ -77,13 +106,29 @@ class _Pool:
         entry = (held.end, held.lease.lease_id)
         bisect.insort(self.ends, entry)
         bisect.insort(self.tenant_ends[held.lease.tenant], entry)
+        if held.lease.pod:
+            bisect.insort(self.pod_ends[held.lease.pod], entry)
 
     def _unindex(self, held: _Held) -> None:
         entry = (held.end, held.lease.lease_id)
-        for ends in (self.ends, self.tenant_ends[held.lease.tenant]):
-            del ends[bisect.bisect_left(ends, entry)]
-        if not self.tenant_ends[held.lease.tenant]:
-            del self.tenant_ends[held.lease.tenant]
+        lease = held.lease
+        del self.ends[bisect.bisect_left(self.ends, entry)]
+        for by, name in ((self.tenant_ends, lease.tenant), (self.pod_ends, lease.pod)):
+            if name:
+                ends = by[name]
+                del ends[bisect.bisect_left(ends, entry)]
+                if not ends:
+                    del by[name]
+
+    def pick(self, pods: tuple[PodLimit, ...], blocks: int) -> PodLimit | None:
+        """Of `pods`, the one where `blocks` more fit that is left with the most free blocks
+        (the earliest on a tie); None when they fit on none."""
+        best, most = None, -1
+        for pod in pods:
+            free = pod.limit - self.pods.get(pod.address, 0) - blocks
+            if free > most:
+                best, most = pod, free
+        return best
 
     def freed_by(self, ends: list[tuple[float, str]], held: int, over: int, now: float) -> float:
         """Seconds until the leases of `ends` (`held` blocks in all), ending in that order,
@@ -109,10 +154,22 @@ class _Pool:
         over_quota = tenant_now + promised + claim.blocks - claim.tenant_quota
         over_limit = self.reserved + promised + claim.blocks - claim.pool_limit
         tenant_ends = self.tenant_ends.get(claim.tenant, [])
-        return max(
+        fits = max(
             self.freed_by(tenant_ends, tenant_now, over_quota, now),
             self.freed_by(self.ends, self.reserved, over_limit, now),
         )
+        if claim.pods:  # and the first of its pods to free enough
+            on_pod = min(
+                self.freed_by(
+                    self.pod_ends.get(pod.address, []),
+                    self.pods.get(pod.address, 0),
+                    self.pods.get(pod.address, 0) + claim.blocks - pod.limit,
+                    now,
+                )
+                for pod in claim.pods
+            )
+            fits = max(fits, on_pod)
+        return fits
 
     def reclaim_expired(self, now: float) -> None:
         """Reclaim expired leases and promises."""
@@ -166,7 +223,11 @@ class MemoryLedger:
                     tenant_reserved=tenant_now,
                     lease=held.lease,
                 )
-            if claim.blocks > claim.tenant_quota or claim.blocks > claim.pool_limit:
+            if (
+                claim.blocks > claim.tenant_quota
+                or claim.blocks > claim.pool_limit
+                or (claim.pods and claim.blocks > max(pod.limit for pod in claim.pods))
+            ):
                 # Impossible whatever else is reserved: no promise is looked at or made.
                 impossible = (
                     Outcome.TENANT_QUOTA
@@ -183,9 +244,12 @@ class MemoryLedger:
             promises = pool.promises
             key, own, promised, holding = promises.standing(claim.retry_key, claim.tenant, now)
             # Only this tenant's retries that came back count, in its quota and the pool alike.
+            picked = None
             if tenant_now + holding + claim.blocks > claim.tenant_quota:
                 outcome = Outcome.TENANT_QUOTA
-            elif pool.reserved + holding + claim.blocks > claim.pool_limit:
+            elif pool.reserved + holding + claim.blocks > claim.pool_limit or (
+                claim.pods and (picked := pool.pick(claim.pods, claim.blocks)) is None
+            ):  # over the pool's limit, or over every pod's
                 outcome = Outcome.POOL_WATERMARK
             else:
                 outcome = Outcome.ADMITTED
@@ -218,7 +282,7 @@ class MemoryLedger:
                 promises.unpromise(key)
             expiry = now + claim.lease_seconds
             end = expiry if claim.ends_in_s is None else now + claim.ends_in_s
-            lease = claim.lease()
+            lease = claim.lease(picked.address if picked is not None else "")
             pool.record(lease, expiry, end)
             return Reservation(
                 outcome=Outcome.ADMITTED,
@@ -281,12 +345,10 @@ class MemoryLedger:
                     pool.record(replace(lease, ends_in_s=None), expiry, end)
                     added += 1
                     continue
-                counted = held.lease
-                growth = lease.blocks - counted.blocks
-                if growth > 0:  # counted under its recorded tenant, as drop() gives back
-                    pool.reserved += growth
-                    pool.tenants[counted.tenant] += growth
-                    held.lease = replace(counted, blocks=lease.blocks)
+                if lease.blocks > held.lease.blocks:  # under its recorded tenant and pod
+                    pool.grow(held, lease.blocks)
+                if lease.pod and lease.pod != held.lease.pod:
+                    pool.move(held, lease.pod)
                 if lease.ends_in_s is not None:
                     pool.expect_end(held, now + lease.ends_in_s)
                 # Renewed within the last tenth of its lease (a growth step): a new expiry
@@ -308,6 +370,7 @@ class MemoryLedger:
                 promised=promises.promised,
                 promises=len(promises.by_key),
                 holding=promises.holding,
+                pods=dict(state.pods),
             )
 
     async def leases(self, pool: str) -> list[LeaseInfo]:

@@ -53,6 +53,7 @@ from kvguard.ledger.scripts import (
     all_keys,
     load_script,
     pool_keys,
+    text,
 )
 
 log = logging.getLogger(__name__)
@@ -106,18 +107,14 @@ def _ends_arg(ends_in_s: float | None) -> Any:
 
 
 def _terms_args(terms: Terms | None) -> tuple[Any, ...]:
-    """reserve.lua's ARGV[9..11]: max wait, jitter and grace in ms; none without terms."""
+    """reserve.lua's ARGV[9..11]: max wait, jitter and grace in ms; '' without terms."""
     if terms is None:
-        return ()
+        return ("", "", "")
     return (
         round(terms.max_wait_s * 1000),
         round(terms.jitter_s * 1000),
         round(terms.grace_s * 1000),
     )
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def connect(url: str, *, cluster: bool = False, timeout_s: float | None = None) -> Any:
@@ -240,7 +237,7 @@ class RedisLedger:
             await self._call(partial(self._client.script_load, script.source))
 
     def _saw_epoch(self, pool: str, epoch: Any) -> None:
-        value = _text(epoch)
+        value = text(epoch)
         if not value:
             return
         before = self._epochs.get(pool)
@@ -263,6 +260,7 @@ class RedisLedger:
                     claim.retry_key,
                     _ends_arg(claim.ends_in_s),
                     *_terms_args(claim.terms),
+                    *(arg for pod in claim.pods for arg in (pod.address, pod.limit)),
                 ),
             )
         except asyncio.CancelledError:
@@ -334,19 +332,27 @@ class RedisLedger:
             for start in range(0, len(held), LEASES_PER_CALL):
                 args: list[Any] = [_ms(lease_seconds)]
                 for lease in held[start : start + LEASES_PER_CALL]:
-                    args += [lease.lease_id, lease.tenant, lease.blocks, _ends_arg(lease.ends_in_s)]
+                    args += [
+                        lease.lease_id,
+                        lease.tenant,
+                        lease.blocks,
+                        _ends_arg(lease.ends_in_s),
+                        lease.pod,
+                    ]
                 answer = ReassertAnswer.from_script(
                     await self._run("reassert", all_keys(pool), args)
                 )
                 added += int(answer.added)
                 # Not a reset to report: this very call has just re-asserted the leases.
-                self._epochs[pool] = _text(answer.epoch)
+                self._epochs[pool] = text(answer.epoch)
         return added
 
     async def usage(self, pool: str) -> PoolUsage:
         answer = UsageAnswer.from_script(await self._run("usage", all_keys(pool), ()))
         flat = answer.tenants
-        tenants = {_text(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+        tenants = {text(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+        on_pods = answer.pods
+        pods = {text(on_pods[i]): int(on_pods[i + 1]) for i in range(0, len(on_pods), 2)}
         return PoolUsage(
             int(answer.reserved),
             int(answer.leases),
@@ -354,16 +360,17 @@ class RedisLedger:
             int(answer.promised),
             int(answer.promises),
             int(answer.holding),
+            pods,
         )
 
     async def leases(self, pool: str) -> list[LeaseInfo]:
         answer = LeasesAnswer.from_script(await self._run("leases", all_keys(pool), ()))
         flat = answer.leases
         out = []
-        for i in range(0, len(flat), 3):
-            lease_id, value, expiry_ms = _text(flat[i]), _text(flat[i + 1]), int(flat[i + 2])
+        for i in range(0, len(flat), 4):
+            lease_id, value, expiry_ms = text(flat[i]), text(flat[i + 1]), int(flat[i + 2])
             blocks, _, tenant = value.partition(":")
-            lease = Lease(lease_id, pool, tenant, int(blocks))
+            lease = Lease(lease_id, pool, tenant, int(blocks), pod=text(flat[i + 3]))
             out.append(LeaseInfo(lease, (expiry_ms - int(answer.now)) / 1000))
         return out
 

@@ -10,10 +10,10 @@
 - `on_unavailable` decides what `reserve` does meanwhile: `reject` and `allow` raise
   `LedgerUnavailable` (admission answers 503 or lets the request pass without a lease);
   `local` admits against a local MemoryLedger that starts with this process's open leases and
-  allows `pool_limit // replicas` and `tenant_quota // replicas` blocks (rounded down, so that
-  the replicas together never pass the real limits; a share of 0 admits nothing). `replicas`
-  is counted at runtime (kvguard.ledger.replicas): while no count was ever known, `local`
-  raises `LedgerUnavailable` as `reject` does.
+  allows `pool_limit // replicas` and `tenant_quota // replicas` blocks, and each pod's limit
+  // replicas (rounded down, so that the replicas together never pass the real limits; a share
+  of 0 admits nothing). `replicas` is counted at runtime (kvguard.ledger.replicas): while no
+  count was ever known, `local` raises `LedgerUnavailable` as `reject` does.
 - Releases that cannot reach Redis are kept and replayed on recovery, so no lease outlives its
   stream in Redis.
 - When the probe reaches Redis again, the process re-asserts every open lease (those of
@@ -155,6 +155,10 @@ class ResilientLedger:
             claim,
             pool_limit=local_share(claim.pool_limit, replicas),
             tenant_quota=local_share(claim.tenant_quota, replicas),
+            pods=tuple(
+                dataclasses.replace(pod, limit=local_share(pod.limit, replicas))
+                for pod in claim.pods
+            ),
         )
         reservation = await self._local.reserve(local_claim)
         if reservation.outcome is Outcome.ADMITTED and reservation.lease is not None:

@@ -78,14 +78,26 @@ def end_keys(pool: str) -> list[str]:
     return [f"{tag}:ends", f"{tag}:tenant-ends"]
 
 
+def pod_keys(pool: str) -> list[str]:
+    """KEYS[18..20], after `end_keys`: the blocks reserved on each pod, each pod's leases by
+    their expected ends, each lease's pod (lib.lua's POD_RESERVED, POD_ENDS, LEASE_PODS)."""
+    tag = f"kvguard:{{{pool}}}"
+    return [f"{tag}:pod-reserved", f"{tag}:pod-ends", f"{tag}:lease-pods"]
+
+
 def all_keys(pool: str) -> list[str]:
     """The KEYS of every script for `pool`, in the order lib.lua binds them to names."""
-    return [*pool_keys(pool), *promise_keys(pool), *end_keys(pool)]
+    return [*pool_keys(pool), *promise_keys(pool), *end_keys(pool), *pod_keys(pool)]
 
 
 _OUTCOMES = {0: Outcome.ADMITTED, 1: Outcome.TENANT_QUOTA, 2: Outcome.POOL_WATERMARK}
 _NONE = -1  # reserve.lua's times for "never" / "no retry" / "nothing due"
 T = TypeVar("T")
+
+
+def text(value: Any) -> str:
+    """A string as Redis returns it (bytes, or text with decode_responses)."""
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _seconds(ms: Any, none: T) -> float | T:
@@ -109,6 +121,7 @@ class ReserveAnswer(NamedTuple):
     changes_in: int  # refused: until a lease or a promise expires by itself (-1: none due)
     waiting: int  # refused, back at its promise's time: how long its blocks stay held
     held: int  # the blocks held for its tenant's retries that this claim counted
+    pod: Any  # the pod an admitted claim is held on, as bytes or text; '' for none
 
     @classmethod
     def from_script(cls, answer: Sequence[Any]) -> ReserveAnswer:
@@ -123,7 +136,7 @@ class ReserveAnswer(NamedTuple):
             outcome=outcome,
             pool_reserved=int(self.pool_reserved),
             tenant_reserved=int(self.tenant_reserved),
-            lease=claim.lease() if outcome is Outcome.ADMITTED else None,
+            lease=claim.lease(text(self.pod)) if outcome is Outcome.ADMITTED else None,
             wait_s=_seconds(self.wait, math.inf),
             retry_after_s=_seconds(self.retry_after, None),
             promised=bool(int(self.promised)),
@@ -143,6 +156,7 @@ class UsageAnswer(NamedTuple):
     promised: int  # blocks promised, not in `reserved`
     promises: int  # how many promises the pool holds
     holding: int  # of the promised blocks, those held for retries that came back
+    pods: Sequence[Any]  # flat: pod (bytes or text), its reserved blocks, pod, ...
 
     @classmethod
     def from_script(cls, answer: Sequence[Any]) -> UsageAnswer:
@@ -169,7 +183,8 @@ class LeasesAnswer(NamedTuple):
     Redis returns them."""
 
     now: int  # ms of Redis TIME
-    leases: Sequence[Any]  # flat: lease id, "<blocks>:<tenant>", expiry (ms of Redis TIME), ...
+    # flat: lease id, "<blocks>:<tenant>", expiry (ms of Redis TIME), pod ('': none), ...
+    leases: Sequence[Any]
 
     @classmethod
     def from_script(cls, answer: Sequence[Any]) -> LeasesAnswer:

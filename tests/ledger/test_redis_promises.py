@@ -23,7 +23,9 @@ from tests.ledger.redis_stats import commandstats, reset_stats
 
 def test_promise_and_end_keys_follow_the_pool_keys_in_its_slot() -> None:
     keys = all_keys("qwen-7b")
-    assert len(set(keys)) == 17
+    assert len(set(keys)) == 20  # and the pod keys after them
+    lib = load_script("lib").source
+    assert [f"KEYS[{i}]" in lib for i in range(1, 22)] == [True] * 20 + [False]
     assert all(key.split("{", 1)[1].split("}", 1)[0] == "qwen-7b" for key in keys)
 
 

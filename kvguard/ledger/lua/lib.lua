@@ -45,6 +45,14 @@ local ENDS = KEYS[16]
 -- sorted set, all scores 0, members "<line>:<end ms, 15 digits>:<lease id>": each tenant's
 -- leases in order of their expected ends (ZRANGEBYLEX)
 local TENANT_ENDS = KEYS[17]
+-- And the pods leases are held on (a lease of a claim that named no pods is on none):
+-- hash, pod -> blocks reserved on that pod (absent when 0)
+local POD_RESERVED = KEYS[18]
+-- sorted set, all scores 0, members "<line>:<end ms, 15 digits>:<lease id>": each pod's leases
+-- in order of their expected ends, as TENANT_ENDS
+local POD_ENDS = KEYS[19]
+-- hash, lease id -> the pod it is held on (absent: none)
+local LEASE_PODS = KEYS[20]
 
 -- Amounts are KV-cache blocks of the pool's block size; times are ms of Redis TIME (one clock).
 
@@ -117,12 +125,28 @@ local function line_of(tenant)
   return #tenant .. ':' .. tenant .. ':'
 end
 
-local function end_member(tenant, at, lease_id)
-  return line_of(tenant) .. string.format('%015d', at) .. ':' .. lease_id
+-- The member of TENANT_ENDS (`owner` a tenant) or POD_ENDS (a pod) for a lease ending at `at`.
+local function end_member(owner, at, lease_id)
+  return line_of(owner) .. string.format('%015d', at) .. ':' .. lease_id
 end
 
--- The lease's expected end `at` (ms), indexed for the pool and its tenant.
-local function expect_end(lease_id, tenant, at)
+local function pod_of(lease_id)
+  return redis.call('HGET', LEASE_PODS, lease_id) or ''
+end
+
+local function pod_reserved(pod)
+  return tonumber(redis.call('HGET', POD_RESERVED, pod) or '0')
+end
+
+-- Count `change` more blocks on `pod` ('': none, nothing counted), deleting what reaches 0.
+local function count_on_pod(pod, change)
+  if pod ~= '' and redis.call('HINCRBY', POD_RESERVED, pod, change) <= 0 then
+    redis.call('HDEL', POD_RESERVED, pod)
+  end
+end
+
+-- The lease's expected end `at` (ms), indexed for the pool, its tenant and its pod.
+local function expect_end(lease_id, tenant, pod, at)
   local before = redis.call('ZSCORE', ENDS, lease_id)
   if before then
     before = tonumber(before)
@@ -130,9 +154,15 @@ local function expect_end(lease_id, tenant, at)
       return
     end
     redis.call('ZREM', TENANT_ENDS, end_member(tenant, before, lease_id))
+    if pod ~= '' then
+      redis.call('ZREM', POD_ENDS, end_member(pod, before, lease_id))
+    end
   end
   redis.call('ZADD', ENDS, at, lease_id)
   redis.call('ZADD', TENANT_ENDS, 0, end_member(tenant, at, lease_id))
+  if pod ~= '' then
+    redis.call('ZADD', POD_ENDS, 0, end_member(pod, at, lease_id))
+  end
 end
 
 -- Remove one lease and give its blocks back; returns the blocks (0 for an unknown lease).
@@ -142,10 +172,18 @@ local function drop(lease_id)
     return 0
   end
   local blocks, tenant = parse(value)
+  local pod = pod_of(lease_id)
   local at = redis.call('ZSCORE', ENDS, lease_id)
   if at then
     redis.call('ZREM', TENANT_ENDS, end_member(tenant, tonumber(at), lease_id))
+    if pod ~= '' then
+      redis.call('ZREM', POD_ENDS, end_member(pod, tonumber(at), lease_id))
+    end
     redis.call('ZREM', ENDS, lease_id)
+  end
+  if pod ~= '' then
+    redis.call('HDEL', LEASE_PODS, lease_id)
+    count_on_pod(pod, -blocks)
   end
   redis.call('HDEL', LEASES, lease_id)
   redis.call('ZREM', EXPIRIES, lease_id)
@@ -158,21 +196,40 @@ local function drop(lease_id)
   return blocks
 end
 
--- Record a lease (no checks) with its expiry and its expected end.
-local function record(lease_id, tenant, blocks, expiry, ends_at)
+-- Record a lease (no checks) on `pod` ('': none) with its expiry and its expected end.
+local function record(lease_id, tenant, blocks, pod, expiry, ends_at)
   redis.call('HSET', LEASES, lease_id, blocks .. ':' .. tenant)
   redis.call('ZADD', EXPIRIES, expiry, lease_id)
   redis.call('HINCRBY', TENANTS, tenant, blocks)
   redis.call('INCRBY', RESERVED, blocks)
-  expect_end(lease_id, tenant, ends_at)
+  if pod ~= '' then
+    redis.call('HSET', LEASE_PODS, lease_id, pod)
+    count_on_pod(pod, blocks)
+  end
+  expect_end(lease_id, tenant, pod, ends_at)
 end
 
--- Count `growth` more blocks for a held lease of `tenant` (no checks), which then counts
--- `blocks` in all: drop() gives back the grown amount.
-local function grow(lease_id, tenant, growth, blocks)
+-- Count `growth` more blocks for a held lease of `tenant` on `pod` (no checks), which then
+-- counts `blocks` in all: drop() gives back the grown amount.
+local function grow(lease_id, tenant, pod, growth, blocks)
   redis.call('HSET', LEASES, lease_id, blocks .. ':' .. tenant)
   redis.call('HINCRBY', TENANTS, tenant, growth)
   redis.call('INCRBY', RESERVED, growth)
+  count_on_pod(pod, growth)
+end
+
+-- Hold a lease of `tenant` counting `blocks` on pod `to` instead of `from` (no checks).
+local function move(lease_id, tenant, blocks, from, to)
+  local at = redis.call('ZSCORE', ENDS, lease_id)
+  if at and from ~= '' then
+    redis.call('ZREM', POD_ENDS, end_member(from, tonumber(at), lease_id))
+  end
+  count_on_pod(from, -blocks)
+  count_on_pod(to, blocks)
+  redis.call('HSET', LEASE_PODS, lease_id, to)
+  if at then
+    redis.call('ZADD', POD_ENDS, 0, end_member(to, tonumber(at), lease_id))
+  end
 end
 
 -- Lookups per HMGET in the walks below (unpack has a stack limit).
@@ -402,12 +459,13 @@ local function pool_freed_by(over, now)
   return freed_by(over, pool_reserved(), page, now)
 end
 
--- `freed_by` over `tenant`'s leases alone.
-local function tenant_freed_by(tenant, over, now)
-  local line = line_of(tenant)
+-- `freed_by` over the leases of one line of `by_line` (TENANT_ENDS or POD_ENDS): `owner`'s,
+-- `held` blocks in all.
+local function line_freed_by(by_line, owner, held, over, now)
+  local line = line_of(owner)
   local skip = #line + 15 + 2
   local function page(offset)
-    local members = redis.call('ZRANGEBYLEX', TENANT_ENDS, '[' .. line, '[' .. line .. '\255',
+    local members = redis.call('ZRANGEBYLEX', by_line, '[' .. line, '[' .. line .. '\255',
       'LIMIT', offset, WALK_BATCH)
     local ids, ends = {}, {}
     for i, member in ipairs(members) do
@@ -416,7 +474,17 @@ local function tenant_freed_by(tenant, over, now)
     end
     return ids, ends
   end
-  return freed_by(over, tenant_reserved(tenant), page, now)
+  return freed_by(over, held, page, now)
+end
+
+-- `freed_by` over `tenant`'s leases alone.
+local function tenant_freed_by(tenant, over, now)
+  return line_freed_by(TENANT_ENDS, tenant, tenant_reserved(tenant), over, now)
+end
+
+-- `freed_by` over the leases held on `pod` alone.
+local function pod_freed_by(pod, over, now)
+  return line_freed_by(POD_ENDS, pod, pod_reserved(pod), over, now)
 end
 
 -- End the promises whose grace has ended; a tenant whose ended promise never saw its client

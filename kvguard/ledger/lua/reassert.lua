@@ -5,10 +5,12 @@
 -- say, and the ledger must count it. A held lease sent with more blocks than it counts grows to
 -- them (pool and tenant reserved rise by the difference), also without checks; one sent with
 -- fewer keeps its count: counted blocks never shrink. A lease sent with an expected end is
--- expected to end then; one sent without keeps its own (recorded again: its expiry).
+-- expected to end then; one sent without keeps its own (recorded again: its expiry). A held
+-- lease sent with another pod is moved there, its counted blocks with it ('': it keeps its own).
 -- KEYS: all the keys of one pool (see lib.lua), hash-tagged {pool}.
--- ARGV[1] lease time (ms); then four per lease: ARGV[2+4i] lease id, ARGV[3+4i] tenant,
---   ARGV[4+4i] blocks, ARGV[5+4i] ms until it is expected to end ('': unchanged).
+-- ARGV[1] lease time (ms); then five per lease: ARGV[2+5i] lease id, ARGV[3+5i] tenant,
+--   ARGV[4+5i] blocks, ARGV[5+5i] ms until it is expected to end ('': unchanged), ARGV[6+5i]
+--   the pod it is held on ('': none, or unchanged).
 -- Returns {leases recorded again, pool reserved (blocks) after this step, epoch}.
 --#include lib.lua
 
@@ -17,8 +19,8 @@ local now = now_ms()
 reclaim(now)
 local current = epoch()
 local added = 0
-for i = 2, #ARGV, 4 do
-  local lease_id, tenant = ARGV[i], ARGV[i + 1]
+for i = 2, #ARGV, 5 do
+  local lease_id, tenant, pod = ARGV[i], ARGV[i + 1], ARGV[i + 4]
   local blocks = positive_int(ARGV[i + 2], 'blocks')
   local ends_at = nil
   if ARGV[i + 3] ~= '' then
@@ -28,14 +30,20 @@ for i = 2, #ARGV, 4 do
   if value then
     redis.call('ZADD', EXPIRIES, 'XX', now + lease_ms, lease_id)
     local counted, held_by = parse(value)
+    local held_on = pod_of(lease_id)
     if blocks > counted then
-      grow(lease_id, held_by, blocks - counted, blocks)
+      grow(lease_id, held_by, held_on, blocks - counted, blocks)
+      counted = blocks
+    end
+    if pod ~= '' and pod ~= held_on then
+      move(lease_id, held_by, counted, held_on, pod)
+      held_on = pod
     end
     if ends_at then
-      expect_end(lease_id, held_by, ends_at)
+      expect_end(lease_id, held_by, held_on, ends_at)
     end
   else
-    record(lease_id, tenant, blocks, now + lease_ms, ends_at or now + lease_ms)
+    record(lease_id, tenant, blocks, pod, now + lease_ms, ends_at or now + lease_ms)
     added = added + 1
   end
 end

@@ -8,9 +8,13 @@
 --   may hold reserved: capacity minus the watermark); ARGV[5] tenant quota (blocks);
 --   ARGV[6] lease time (ms); ARGV[7] retry key ('' or absent: none); ARGV[8] ms until the
 --   lease is expected to end ('' or absent: at its expiry); the terms, absent or '' when the
---   claim has none: ARGV[9] max wait (ms), ARGV[10] jitter (ms), ARGV[11] grace (ms).
+--   claim has none: ARGV[9] max wait (ms), ARGV[10] jitter (ms), ARGV[11] grace (ms); then
+--   the pods it may be reserved on, none or more, in order of preference: ARGV[12+2i] pod,
+--   ARGV[13+2i] its limit (most blocks the pod may hold reserved). With pods, the claim also
+--   fits only on a pod where its blocks stay within the pod's limit, and is held on the one
+--   left with the most free blocks (the earliest on a tie).
 -- Returns {outcome, pool reserved, tenant reserved, epoch, wait, retry after, promised,
---   changes in, waiting, held}, built by name in `answer` below and read by name in
+--   changes in, waiting, held, pod}, built by name in `answer` below and read by name in
 --   kvguard.ledger.scripts.ReserveAnswer: outcome 0 admitted, 1 tenant quota, 2 pool
 --   watermark; reserved amounts in blocks after this step (promised blocks not included);
 --   epoch '' when an impossible claim was refused without reading it; wait: ms until a refused
@@ -22,17 +26,20 @@
 --   promise expires by itself (-1: nothing is due, or admitted); waiting: for a claim back at
 --   its promise's time and refused (its blocks now held for it), ms they stay held, else 0;
 --   held: the blocks held for its tenant's retries that this claim counted (0 for a retried
---   call or an impossible claim). A lease id that is already held is admitted again without
---   being counted twice (a retried call).
+--   call or an impossible claim); pod: the pod an admitted claim is held on ('' for a claim
+--   without pods, and when refused). A lease id that is already held is admitted again
+--   without being counted twice (a retried call).
 --#include lib.lua
 
 local NONE = -1
 
 -- The answer, its slots in the order above, from their names; a slot left out is as for an
--- admitted claim: wait 0, retry after NONE, promised 0, changes in NONE, waiting 0, held 0.
+-- admitted claim: wait 0, retry after NONE, promised 0, changes in NONE, waiting 0, held 0,
+-- pod ''.
 local function answer(a)
   return {a.outcome, a.pool_reserved, a.tenant_reserved, a.epoch, a.wait or 0,
-    a.retry_after or NONE, a.promised or 0, a.changes_in or NONE, a.waiting or 0, a.held or 0}
+    a.retry_after or NONE, a.promised or 0, a.changes_in or NONE, a.waiting or 0, a.held or 0,
+    a.pod or ''}
 end
 
 local lease_id, tenant = ARGV[1], ARGV[2]
@@ -52,10 +59,33 @@ if ARGV[9] and ARGV[9] ~= '' then
     grace = non_negative_int(ARGV[11], 'grace (ms)'),
   }
 end
+local pods, largest = {}, nil
+for i = 12, #ARGV, 2 do
+  local pod_limit = tonumber(ARGV[i + 1])
+  pods[#pods + 1] = {address = ARGV[i], limit = pod_limit}
+  largest = largest and math.max(largest, pod_limit) or pod_limit
+end
+
+-- Of `pods`, the one where `blocks` more fit that is left with the most free blocks (the
+-- earliest on a tie), or nil.
+local function pick()
+  local addresses = {}
+  for i, pod in ipairs(pods) do
+    addresses[i] = pod.address
+  end
+  local best, most = nil, -1
+  for i, reserved in ipairs(redis.call('HMGET', POD_RESERVED, unpack(addresses))) do
+    local free = pods[i].limit - tonumber(reserved or '0') - blocks
+    if free > most then
+      best, most = pods[i], free
+    end
+  end
+  return best
+end
 
 -- Impossible whatever else is reserved: answer before writing anything (epoch '' = not read).
 local never = terms and NONE or 0
-if blocks > quota or blocks > limit then
+if blocks > quota or blocks > limit or (largest and blocks > largest) then
   local outcome = blocks > quota and 1 or 2
   local changes = next_change(now_ms())
   return answer({outcome = outcome, pool_reserved = pool_reserved(),
@@ -67,7 +97,7 @@ reclaim(now)
 local current = epoch()
 if redis.call('HEXISTS', LEASES, lease_id) == 1 then
   return answer({outcome = 0, pool_reserved = pool_reserved(),
-    tenant_reserved = tenant_reserved(tenant), epoch = current})
+    tenant_reserved = tenant_reserved(tenant), epoch = current, pod = pod_of(lease_id)})
 end
 local tenant_now = tenant_reserved(tenant)
 local pool_now = pool_reserved()
@@ -89,11 +119,16 @@ else
   promised, held = tenant_promised(tenant), tenant_holding(tenant)
 end
 -- Only this tenant's retries that came back count, in its quota and the pool alike.
-local outcome = 0
+local outcome, picked = 0, nil
 if tenant_now + held + blocks > quota then
   outcome = 1
 elseif pool_now + held + blocks > limit then
   outcome = 2
+elseif #pods > 0 then
+  picked = pick()
+  if not picked then
+    outcome = 2
+  end
 end
 if outcome ~= 0 then
   -- A refusal's answer: wait, retry after, promised and waiting as above, with the pool as it
@@ -120,6 +155,18 @@ if outcome ~= 0 then
   if by_quota ~= NONE and by_limit ~= NONE then
     wait = math.max(by_quota, by_limit)
   end
+  if wait ~= NONE and #pods > 0 then
+    -- And the first of its pods to free enough.
+    local by_pod = NONE
+    for _, pod in ipairs(pods) do
+      local reserved = pod_reserved(pod.address)
+      local at = pod_freed_by(pod.address, reserved + blocks - pod.limit, now)
+      if at ~= NONE and (by_pod == NONE or at < by_pod) then
+        by_pod = at
+      end
+    end
+    wait = by_pod ~= NONE and math.max(wait, by_pod) or NONE
+  end
   if own then -- back before its time: it keeps it
     return refused(wait, own.retry_at - now, 1, 0)
   end
@@ -139,6 +186,7 @@ if own then
   unpromise(key)
 end
 local expiry = now + lease_ms
-record(lease_id, tenant, blocks, expiry, ends_in and now + ends_in or expiry)
+local pod = picked and picked.address or ''
+record(lease_id, tenant, blocks, pod, expiry, ends_in and now + ends_in or expiry)
 return answer({outcome = 0, pool_reserved = pool_now + blocks,
-  tenant_reserved = tenant_now + blocks, epoch = current, held = held})
+  tenant_reserved = tenant_now + blocks, epoch = current, held = held, pod = pod})

@@ -4,7 +4,7 @@
 -- ARGV: none.
 -- Returns {pool reserved (blocks), number of leases, {tenant1, blocks1, tenant2, blocks2, ...},
 --   blocks promised (not in reserved), number of promises, of the promised blocks those held for
---   retries that came back}.
+--   retries that came back, {pod1, blocks1, pod2, blocks2, ...}}.
 --#include lib.lua
 
 reclaim(now_ms())
@@ -15,4 +15,5 @@ return {
   pool_promised(),
   redis.call('HLEN', PROMISES),
   pool_holding(),
+  redis.call('HGETALL', POD_RESERVED),
 }
