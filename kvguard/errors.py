@@ -27,6 +27,7 @@ class Code(enum.StrEnum):
     REQUEST_TOO_LARGE = "request_too_large"
     LEDGER_UNAVAILABLE = "ledger_unavailable"
     CAPACITY_UNKNOWN = "capacity_unknown"
+    NO_ENDPOINT_IN_SUBSET = "no_endpoint_in_subset"
     INTERNAL_ERROR = "internal_error"
 
     @property
@@ -56,6 +57,7 @@ _STATUS = {
     Code.REQUEST_TOO_LARGE: 413,
     Code.LEDGER_UNAVAILABLE: 503,
     Code.CAPACITY_UNKNOWN: 503,
+    Code.NO_ENDPOINT_IN_SUBSET: 503,  # as the endpoint-picker protocol answers it
     Code.INTERNAL_ERROR: 503,
 }
 _ERROR_TYPE = {

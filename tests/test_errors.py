@@ -22,6 +22,7 @@ EXPECTED = {
     Code.REQUEST_TOO_LARGE: (413, "invalid_request_error"),
     Code.LEDGER_UNAVAILABLE: (503, "server_error"),
     Code.CAPACITY_UNKNOWN: (503, "server_error"),
+    Code.NO_ENDPOINT_IN_SUBSET: (503, "server_error"),
     Code.INTERNAL_ERROR: (503, "server_error"),
 }
 

@@ -45,6 +45,7 @@ class AdmissionRequest:
     body: bytes
     decision: Decision  # what the decision finds on the way, whichever way it ends
     retry_token: str = ""  # what the client sent back of a refusal's token, if anything
+    subset: frozenset[str] | None = None  # the pods the gateway allows it on (None: any)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +163,7 @@ class Admission:
             request.policy.shadow,
             raw,
             request.retry_token,
+            request.subset,
         )
         plan = self.decisions.plan(asked)
         limits = plan.limits
@@ -268,7 +270,11 @@ class Admission:
             plan.calibrated,
             self.decisions.unaccounted(claim.pool),
         )
-        return replace(claim, pool_limit=limit)
+        try:  # and the pods as they are now (kept as they were when none is left)
+            pods = decide.pod_limits(asked.pool, capacity, asked.subset)
+        except Refusal:
+            pods = claim.pods
+        return replace(claim, pool_limit=limit, pods=pods)
 
     def _fresh(self, claim: Claim, asked: Asked, plan: decide.Plan) -> Claim:
         """`claim` as now, under a new lease id."""

@@ -24,6 +24,7 @@ class PodCapacity:
 
     address: str  # host:port, as the endpoint picker names a pod (IPv6 in brackets)
     blocks: int
+    waiting: int | None = None  # requests waiting in its vLLM queue at the reading; None: unknown
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,13 +13,13 @@ import math
 from dataclasses import dataclass, replace
 
 from kvguard.admission.calibration import Estimate, ends_in_s
-from kvguard.admission.capacity import PoolCapacity
+from kvguard.admission.capacity import PoolCapacity, pool_limit
 from kvguard.admission.promises import RETRY_TOKEN_HEADER, RateLimit
 from kvguard.admission.record import ReservedFrom
 from kvguard.admission.sizing import Limits, blocks_needed, clamp
 from kvguard.config.schema import PoolConfig, TierConfig
 from kvguard.errors import RETRY_AFTER_S, Code, Refusal
-from kvguard.ledger import Claim, Outcome, Reservation, Terms
+from kvguard.ledger import Claim, Outcome, PodLimit, Reservation, Terms
 from kvguard.tokens.request import Kind
 
 # Refusals that shadow mode lets pass: capacity and availability, never malformed input.
@@ -60,6 +60,8 @@ class Plan:
     reserved_from: ReservedFrom = ReservedFrom.WORST_CASE  # what sized reserved_output
     worst_blocks: int = 0  # the blocks of the whole limit, what a lease may grow to
     estimate: Estimate | None = None  # the estimate it was sized with, to size it again
+    # The pods it may be reserved on, in order of preference; (): the pool's sum alone.
+    pods: tuple[PodLimit, ...] = ()
 
     @property
     def calibrated(self) -> bool:
@@ -79,6 +81,35 @@ def capacity_known(pool: str, capacity: PoolCapacity | None) -> PoolCapacity:
     return capacity
 
 
+def pod_limits(
+    pool: PoolConfig, capacity: PoolCapacity, subset: frozenset[str] | None = None
+) -> tuple[PodLimit, ...]:
+    """The pods a request of `pool` may be reserved on, each with its limit, the shorter vLLM
+    queue first (then by address): () when kvguard does not pick (`routing: envoy`). Raises
+    Refusal (503) when no pod answered its last reading, and when `subset` (the gateway's
+    hint: the only pods it may go to) names none of them."""
+    if not pool.picks:
+        return ()
+    pods = capacity.pods
+    if not pods:
+        raise Refusal(
+            Code.CAPACITY_UNKNOWN,
+            f"no vLLM server of pool {pool.name!r} answered its last reading",
+            retry_after_s=RETRY_AFTER_S,
+        )
+    if subset is not None:
+        pods = tuple(p for p in pods if p.address in subset)
+        if not pods:
+            raise Refusal(
+                Code.NO_ENDPOINT_IN_SUBSET,
+                f"none of the endpoints the gateway allows ({', '.join(sorted(subset))}) is a "
+                f"pod of pool {pool.name!r} that kvguard reads",
+                retry_after_s=RETRY_AFTER_S,
+            )
+    ordered = sorted(pods, key=lambda p: p.waiting or 0)  # stable: by address on a tie
+    return tuple(PodLimit(p.address, pool_limit(p.blocks, pool.watermark)) for p in ordered)
+
+
 def plan(
     request: Counted,
     pool: PoolConfig,
@@ -86,10 +117,11 @@ def plan(
     tier: TierConfig,
     capacity: PoolCapacity,
     estimate: Estimate | None = None,
+    subset: frozenset[str] | None = None,
 ) -> Plan:
     """Size `request` for `tenant` of `tier` in `pool`: clamp or inject the output limit and
     turn prompt + reserved output into blocks. Raises Refusal when the prompt leaves no room for
-    output or `min_tokens` cannot be honoured.
+    output or `min_tokens` cannot be honoured, and when the gateway's `subset` leaves no pod.
 
     Each sequence reserves its whole output limit (the worst case) unless an `estimate` is
     given and the request may stop early (no ignore_eos, no beam search): then what the
@@ -124,6 +156,7 @@ def plan(
         reserved_from,
         worst,
         estimate,
+        pod_limits(pool, capacity, subset),
     )
 
 
@@ -144,12 +177,15 @@ def claim(
     `retry_key`, a refusal is promised a slot (kvguard.ledger). Its lease is expected to end
     when its output limit is produced at `decode_rate` (tokens per second per sequence)."""
     need = max(plan.blocks, plan.worst_blocks)
-    if need > plan.quota or need > plan.pool_limit:
+    largest = max((pod.limit for pod in plan.pods), default=plan.pool_limit)
+    if need > plan.quota or need > plan.pool_limit or need > largest:
+        admissible = f"the pool's admissible capacity ({plan.pool_limit})"
+        if largest < plan.pool_limit:
+            admissible = f"its largest pod's admissible capacity ({largest})"
         raise Refusal(
             Code.REQUEST_EXCEEDS_CAPACITY,
             f"the request needs {need} KV-cache blocks, more than this tenant's quota "
-            f"({plan.quota}) or the pool's admissible capacity ({plan.pool_limit}) allows; "
-            "lower max_tokens, n or the prompt length",
+            f"({plan.quota}) or {admissible} allows; lower max_tokens, n or the prompt length",
         )
     limit = claim_limit(plan.pool_limit, plan.calibrated, unaccounted)
     return Claim(
@@ -163,6 +199,7 @@ def claim(
         retry_key,
         terms,
         ends_in_s(plan.limits.max_tokens, decode_rate),
+        plan.pods,
     )
 
 

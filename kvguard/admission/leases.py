@@ -100,6 +100,24 @@ class LeaseKeeper:
         self._stop_following(lease.lease_id)
         self._start_release(lease)
 
+    def served(self, lease_id: str, pod: str) -> None:
+        """The gateway says the lease's request went to `pod`: a lease reserved on another pod
+        moves there (one re-assert, in a task of its own); never raises, never blocks."""
+        lease = self._open.get(lease_id)
+        if lease is None or not pod or not lease.pod or lease.pod == pod:
+            return
+        log.info("lease %s was reserved on %s and served by %s: moved", lease_id, lease.pod, pod)
+        moved = self._open[lease_id] = dataclasses.replace(lease, pod=pod)
+        task = asyncio.get_running_loop().create_task(self._move(moved))
+        self._releasing.add(task)  # settle() waits for it as for a release
+        task.add_done_callback(self._releasing.discard)
+
+    async def _move(self, lease: Lease) -> None:
+        try:
+            await self._reassert([lease])
+        except Exception:  # the next renewal sends it again, with its pod
+            log.exception("moving lease %s to %s failed", lease.lease_id, lease.pod)
+
     def held_blocks(self, pool: str, tenant: str) -> int:
         """Blocks this process holds for `tenant` in `pool` (its open leases, grown ones
         included)."""

@@ -140,7 +140,8 @@ def warnings(config: Config) -> list[str]:
     learn from, it still lacks the loop with vLLM's preemptions and its decode rate. A Redis
     ledger whose `local` fallback counts its replicas only in Redis cannot fall back in a
     process that never reached Redis. API-key identity with a default tier admits requests
-    without a known key.
+    without a known key. A pool of several vLLM servers routed by the gateway (`routing:
+    envoy`) guarantees nothing per server.
     """
     out = []
     tenancy = config.tenancy
@@ -207,6 +208,15 @@ def warnings(config: Config) -> list[str]:
                 "/metrics is read, so preemptions cannot move reservations back towards the "
                 f"worst case and leases grow at an assumed {DEFAULT_DECODE_RATE:g} tokens/s; "
                 "discover the capacity from the pool's endpoints"
+            )
+    for i, pool in enumerate(config.pools):
+        several = pool.capacity.service is not None or len(pool.capacity.endpoints or []) > 1
+        if several and pool.routing == "envoy":
+            out.append(
+                f"pools[{i}].routing: envoy over several vLLM servers counts only the pool's "
+                "sum: the gateway's balancing can send more to one server than it holds, and "
+                "vLLM preempts there; nothing is guaranteed per server (routing pick reserves "
+                "on one and names it to the gateway)"
             )
     ledger = config.ledger
     if (

@@ -48,6 +48,7 @@ class Asked:
     # and the token the client sent back in serve, the request's id in the simulator.
     retry_source: bytes
     retry_token: str = ""
+    subset: frozenset[str] | None = None  # the pods the gateway allows (None: any)
 
 
 def _new_lease_id() -> str:
@@ -85,7 +86,13 @@ class DecisionSequence:
                 asked.pool, identity.tier_name, identity.tier, identity.tenant, asked.at
             )
         return decide.plan(
-            asked.counted, asked.pool, identity.tenant, identity.tier, asked.capacity, estimate
+            asked.counted,
+            asked.pool,
+            identity.tenant,
+            identity.tier,
+            asked.capacity,
+            estimate,
+            asked.subset,
         )
 
     def claim(self, asked: Asked, plan: decide.Plan) -> Claim:

@@ -354,6 +354,29 @@ class PoolConfig(_Strict):
     # default, chosen by measurement: docs/performance.md) makes no promises.
     retry_after_max_seconds: Annotated[float, Field(ge=0, le=3600)] = 0.0
     queue: QueueConfig = QueueConfig()
+    # pick: kvguard reserves on one pod and names it to the gateway (the endpoint picker);
+    # envoy: the gateway balances, kvguard counts the pool's sum. Absent: pick where the
+    # capacity is discovered from more than one endpoint or from a Service.
+    routing: Literal["pick", "envoy"] | None = None
+
+    @property
+    def picks(self) -> bool:
+        """Whether kvguard picks the pod of each request of this pool."""
+        if self.routing is not None:
+            return self.routing == "pick"
+        return self.capacity.service is not None or len(self.capacity.endpoints or []) > 1
+
+    @model_validator(mode="after")
+    def _pick_among_discovered_pods(self) -> PoolConfig:
+        if self.routing == "pick" and not self.capacity.discovered:
+            raise Problems(
+                (
+                    ("routing",),
+                    "pick needs the pool's pods: discover the capacity from endpoints or a "
+                    "service, or leave routing out",
+                )
+            )
+        return self
 
     @model_validator(mode="after")
     def _known_media_parts(self) -> PoolConfig:

@@ -20,6 +20,7 @@ from google.protobuf.duration_pb2 import Duration
 
 from kvguard.admission.admit import Admitted
 from kvguard.errors import Refusal
+from kvguard.extproc.picker import DESTINATION, LB_NAMESPACE
 
 _OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 # The namespace of the dynamic metadata kvguard sets: the one envoy.yaml's ext_proc filter
@@ -80,7 +81,8 @@ def admitted_body(admitted: Admitted, *, expose_limit: bool = False) -> Processi
     decision also goes as dynamic metadata in METADATA_NAMESPACE, which envoy.yaml's access log
     reads (kvguard's word, not headers a client could send) and its route turns into response
     headers (`max_tokens`, with `expose_limit`, into x-kvguard-max-tokens; the RateLimit
-    fields)."""
+    fields). A lease on a pod names it to the gateway: the destination header, and the same
+    value in `envoy.lb` metadata."""
     headers, metadata = _decision(admitted, expose_limit)
     response = ProcessingResponse()
     common = response.request_body.response
@@ -92,6 +94,9 @@ def admitted_body(admitted: Admitted, *, expose_limit: bool = False) -> Processi
         _mutate(common.header_mutation, {**headers, "content-length": str(len(body))})
         common.body_mutation.body = body
     _set_metadata(response, metadata)
+    if admitted.lease is not None and admitted.lease.pod:
+        lb = response.dynamic_metadata.fields[LB_NAMESPACE].struct_value.fields
+        lb[DESTINATION].string_value = admitted.lease.pod
     return response
 
 
@@ -152,6 +157,8 @@ def _decision(admitted: Admitted, expose_limit: bool) -> tuple[dict[str, str], d
         }
         if admitted.lease is not None:
             headers["x-kvguard-lease"] = metadata["lease"] = admitted.lease.lease_id
+            if admitted.lease.pod:
+                headers[DESTINATION] = metadata["pod"] = admitted.lease.pod
         if expose_limit:
             metadata["max_tokens"] = str(admitted.max_tokens)
         if admitted.rate_limit is not None:

@@ -34,7 +34,7 @@ from kvguard.admission.promises import RETRY_TOKEN_HEADER
 from kvguard.admission.record import Completion, Decision
 from kvguard.config.schema import COUNTING_BUDGET_S
 from kvguard.errors import Code, Refusal, invalid
-from kvguard.extproc import responses
+from kvguard.extproc import picker, responses
 from kvguard.extproc.observe import DEFAULT_SAMPLE, Completions, Sampler
 from kvguard.extproc.routes import NOT_SERVED, READ_ONLY, classify, not_served
 from kvguard.extproc.usage import BodyReader
@@ -45,16 +45,6 @@ from kvguard.tokens.request import Kind
 log = logging.getLogger(__name__)
 
 KVGUARD_HEADER_PREFIX = "x-kvguard-"
-# The endpoint picker's headers (Gateway API Inference Extension, v1.0.0): the pod a request
-# goes to, the pod that served it, the candidates a gateway allows. Only the gateway and the
-# picker set them: a client's copy would choose the pod, so it is removed as x-kvguard-* are.
-PICKER_HEADERS = frozenset(
-    {
-        "x-gateway-destination-endpoint",
-        "x-gateway-destination-endpoint-served",
-        "x-gateway-destination-endpoint-subset",
-    }
-)
 # Envoy waits message_timeout (200 ms) for each answer. A decision still running after
 # SLOW_DECISION_S (a large prompt queued for counting, a request queued for blocks) asks Envoy,
 # once, to wait up to COUNTING_BUDGET_S plus the longest queue wait of the policy's pools.
@@ -71,6 +61,7 @@ class _Exchange:
     policy: Policy
     kind: Kind | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    subset: frozenset[str] | None = None  # the pods the gateway allows (None: any)
     identity: Identity | None = None
     decision: Decision = field(default_factory=Decision)
     recorded: bool = False  # the decision has been counted and logged
@@ -138,6 +129,8 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
                         self._open_streams, counted = self._open_streams - 1, False
                     self._on_observed(exchange, message)
                     continue
+                if exchange.subset is None and message.HasField("metadata_context"):
+                    exchange.subset = picker.subset_hint(message.metadata_context)
                 if message.HasField("protocol_config"):  # the first message says the modes
                     modes = message.protocol_config
                     exchange.streamed = modes.request_body_mode == FULL_DUPLEX_STREAMED
@@ -168,6 +161,11 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
                             )
                             admitted = admitted or decided
                             answers.append(responses.continue_response("request_trailers"))
+                        case "response_headers":
+                            if admitted is not None and admitted.lease is not None:
+                                served = picker.served(message.metadata_context)
+                                self._keeper.served(admitted.lease.lease_id, served)
+                            answers = [responses.continue_response("response_headers")]
                         case "response_body" if exchange.streamed_response:
                             body = message.response_body
                             answers = [
@@ -193,7 +191,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
         remove = [
             name
             for name in headers
-            if name.startswith(KVGUARD_HEADER_PREFIX) or name in PICKER_HEADERS
+            if name.startswith(KVGUARD_HEADER_PREFIX) or name in picker.PICKER_HEADERS
         ]
         exchange.decision.request_id = headers.get("x-request-id", "")
         route = classify(headers.get(":method", ""), headers.get(":path", ""))
@@ -341,6 +339,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
                 body,
                 exchange.decision,
                 exchange.headers.get(RETRY_TOKEN_HEADER, ""),
+                exchange.subset,
             )
         )
         if admitted.lease is not None:

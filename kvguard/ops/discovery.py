@@ -35,7 +35,7 @@ import contextlib
 import logging
 import time
 import urllib.parse
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -62,16 +62,27 @@ MAX_FETCH_SECONDS = 5.0
 _IDLE_S = 1.0
 
 
-def combine(readings: Mapping[str, EndpointCache]) -> PoolCapacity:
-    """A pool's capacity from its endpoints' readings (by URL), each endpoint a pod of it;
-    block sizes must agree."""
+def combine(
+    readings: Mapping[str, EndpointCache],
+    waiting: Mapping[str, int | None] | None = None,
+    failing: Collection[str] = (),
+) -> PoolCapacity:
+    """A pool's capacity from its endpoints' readings (by URL), each endpoint a pod of it with
+    its vLLM queue (`waiting`, by URL); block sizes must agree. An endpoint whose last read
+    failed (`failing`) counts in the sum while its reading lasts, but is not a pod to pick:
+    requests are sent only where the last read answered."""
     if not readings:
         raise DiscoveryError("no endpoint has reported its cache")
     sizes = {url: r.block_size for url, r in readings.items()}
     if len(set(sizes.values())) != 1:
         described = ", ".join(f"{redact(url)}: {size}" for url, size in sorted(sizes.items()))
         raise DiscoveryError(f"endpoints disagree on block_size ({described})")
-    pods = [PodCapacity(pod_address(url), r.usable_blocks) for url, r in readings.items()]
+    queues = waiting or {}
+    pods = [
+        PodCapacity(pod_address(url), r.usable_blocks, queues.get(url))
+        for url, r in readings.items()
+        if url not in failing
+    ]
     pods.sort(key=lambda pod: pod.address)
     return PoolCapacity(
         sum(r.usable_blocks for r in readings.values()), next(iter(sizes.values())), tuple(pods)
@@ -395,13 +406,14 @@ class Discovery:
         capacity: PoolCapacity | None = None
         error = None
         try:
-            capacity = combine(readings)
+            failing = {url for url, e in state.endpoints.items() if e.error is not None}
+            capacity = combine(readings, dict(zip(readings, waiting, strict=True)), failing)
         except DiscoveryError as exc:
             failures = "; ".join(
                 f"{redact(u)}: {e.error}" for u, e in state.endpoints.items() if e.error
             )
             error = f"{exc}" + (f" ({failures})" if failures and not readings else "")
-        if capacity is not None and capacity != state.capacity:
+        if capacity is not None and _shape(capacity) != _shape(state.capacity):
             log.info(
                 "pool %s: capacity %d blocks of %d tokens from %d endpoint(s)",
                 name,
@@ -437,6 +449,13 @@ class Discovery:
                 # A periodic timer, not a synchronisation: stop ends the wait at once.
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), max(wait, 0.01))
+
+
+def _shape(capacity: PoolCapacity | None) -> object:
+    """What an operator is told of when it changes: the blocks and the pods, not their queues."""
+    if capacity is None:
+        return None
+    return capacity.blocks, capacity.block_size, [(p.address, p.blocks) for p in capacity.pods]
 
 
 def _sum_known(values: list[int | None]) -> int | None:

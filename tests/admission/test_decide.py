@@ -11,10 +11,10 @@ import pytest
 
 from kvguard.admission import decide
 from kvguard.admission.calibration import DEFAULT_DECODE_RATE
-from kvguard.admission.capacity import PoolCapacity
+from kvguard.admission.capacity import PodCapacity, PoolCapacity
 from kvguard.config.schema import CapacityConfig, PoolConfig, TierConfig
 from kvguard.errors import Code, Refusal
-from kvguard.ledger import Claim, Outcome, Reservation, Terms
+from kvguard.ledger import Claim, Outcome, PodLimit, Reservation, Terms
 
 TIER = TierConfig(max_tokens_cap=512, default_max_tokens=256, max_blocks=100)
 POOL = PoolConfig(
@@ -298,3 +298,45 @@ def test_importing_the_decision_loads_no_ledger_backend_and_no_network_library()
     forbidden = ("kvguard.ledger.", "grpc", "aiohttp", "redis", "kvguard.ops", "kvguard.extproc")
     assert [m for m in modules if m.startswith(forbidden)] == []
     assert "kvguard.ledger" in modules  # the contract module (Claim, Outcome) is the one it uses
+
+
+# --- the pods a request may be reserved on (routing: pick) ----------------------------------
+
+PICKING = POOL.model_copy(
+    update={"capacity": CapacityConfig(endpoints=["http://a:8000", "http://b:8000"])}
+)
+PODS = PoolCapacity(300, 16, (PodCapacity("a:8000", 100, 4), PodCapacity("b:8000", 200, 1)))
+
+
+def test_the_pods_are_each_with_their_limit_the_shorter_queue_first() -> None:
+    assert PICKING.picks and not POOL.picks
+    assert decide.pod_limits(PICKING, PODS) == (PodLimit("b:8000", 170), PodLimit("a:8000", 85))
+    routed = PICKING.model_copy(update={"routing": "envoy"})
+    assert decide.pod_limits(routed, PODS) == ()  # the gateway balances: the pool's sum alone
+    assert decide.pod_limits(POOL, PODS) == ()  # a static capacity has no pods to pick
+
+
+def test_the_gateways_subset_restricts_the_pods_and_a_subset_of_none_is_503() -> None:
+    subset = frozenset({"a:8000", "c:8000"})
+    assert decide.pod_limits(PICKING, PODS, subset) == (PodLimit("a:8000", 85),)
+    with pytest.raises(Refusal) as caught:
+        decide.pod_limits(PICKING, PODS, frozenset({"c:8000"}))
+    refusal = caught.value
+    assert (refusal.code, refusal.code.status) == (Code.NO_ENDPOINT_IN_SUBSET, 503)
+    assert refusal.retry_after_s == decide.RETRY_AFTER_S
+    with pytest.raises(Refusal) as none_answer:  # no pod answered its last reading
+        decide.pod_limits(PICKING, PoolCapacity(300, 16, ()))
+    assert none_answer.value.code is Code.CAPACITY_UNKNOWN
+
+
+def test_a_request_larger_than_every_pod_can_never_fit() -> None:
+    # 95 blocks: within the pool's 255, the quota and b's 170; above a's 85.
+    plan = decide.plan(counted([1600 - 256 - 16 * 5]), PICKING, "acme", TIER, PODS)
+    assert plan.pods == (PodLimit("b:8000", 170), PodLimit("a:8000", 85))
+    assert decide.claim(plan, "lease-1", 30.0).pods == plan.pods
+    small = PoolCapacity(300, 16, (PodCapacity("a:8000", 100), PodCapacity("b:8000", 100)))
+    plan = decide.plan(counted([1600 - 256 - 16 * 5]), PICKING, "acme", TIER, small)
+    with pytest.raises(Refusal) as caught:
+        decide.claim(plan, "lease-1", 30.0)
+    assert caught.value.code is Code.REQUEST_EXCEEDS_CAPACITY
+    assert "its largest pod's admissible capacity (85)" in caught.value.message

@@ -358,3 +358,35 @@ def test_a_character_yaml_does_not_allow_names_its_line(tmp_path: Path) -> None:
     with pytest.raises(config.ConfigError) as info:
         config.load(path, environ={})
     assert str(info.value) == f"{path}: not valid YAML: character #x0007 is not allowed (line 8)"
+
+
+def test_routing_pick_needs_discovered_pods(tmp_path: Path) -> None:
+    path = tmp_path / "kvguard.yaml"
+    path.write_text(GOOD_POOL.replace("    capacity:", "    routing: pick\n    capacity:"))
+    with pytest.raises(config.ConfigError) as raised:
+        config.load(path, environ={})
+    assert len(raised.value.problems) == 1
+    assert "pools[0].routing: pick needs the pool's pods" in raised.value.problems[0]
+
+
+def test_routing_defaults_to_pick_over_several_servers_and_envoy_there_is_a_warning(
+    tmp_path: Path,
+) -> None:
+    tiers = _tiers("{max_tokens_cap: 512, default_max_tokens: 256, max_blocks: 2000}")
+    one = GOOD_POOL.replace(
+        "capacity: {blocks: 40000, block_size: 16}", "capacity: {endpoints: ['http://a:8000']}"
+    )
+    several = one.replace("['http://a:8000']", "['http://a:8000', 'http://b:8000']")
+    service = one.replace("endpoints: ['http://a:8000']", "service: 'vllm:8000'")
+    path = tmp_path / "kvguard.yaml"
+    for text, picks in ((GOOD_POOL, False), (one, False), (several, True), (service, True)):
+        path.write_text(text + tiers)
+        assert config.load(path, environ={}).pools[0].picks is picks
+    assert _warnings(tmp_path, several + tiers) == []
+    routed = several.replace("    capacity:", "    routing: envoy\n    capacity:")
+    assert _warnings(tmp_path, routed + tiers) == [
+        "pools[0].routing: envoy over several vLLM servers counts only the pool's sum: the "
+        "gateway's balancing can send more to one server than it holds, and vLLM preempts "
+        "there; nothing is guaranteed per server (routing pick reserves on one and names it to "
+        "the gateway)"
+    ]

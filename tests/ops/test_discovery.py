@@ -101,6 +101,12 @@ def test_combine_sums_and_requires_one_block_size() -> None:
         combine({})
 
 
+def test_a_failing_endpoint_counts_in_the_sum_but_is_no_pod_to_pick() -> None:
+    readings = {"http://a:8000": EndpointCache(63, 128), "http://b:8000": EndpointCache(127, 128)}
+    capacity = combine(readings, {"http://a:8000": 3, "http://b:8000": None}, {"http://b:8000"})
+    assert capacity == PoolCapacity(190, 128, (PodCapacity("a:8000", 63, 3),))
+
+
 def test_a_pod_is_named_by_the_host_and_port_its_url_reaches() -> None:
     assert pod_address("http://10.0.0.7:8000/metrics") == "10.0.0.7:8000"
     assert pod_address("https://user:p%40ss@vllm-0.ns.svc/") == "vllm-0.ns.svc:443"
@@ -124,7 +130,8 @@ async def test_capacity_is_the_sum_over_endpoints(tmp_path: Path) -> None:
         discovery = Discovery(lambda: policy, capacities)
         async with aiohttp.ClientSession() as session:
             await discovery.refresh(session)
-        pods = {PodCapacity(pod_address(a.url), 63), PodCapacity(pod_address(b.url), 100)}
+        # Each with its vLLM queue (none waiting in the sample's reading).
+        pods = {PodCapacity(pod_address(a.url), 63, 0), PodCapacity(pod_address(b.url), 100, 0)}
         capacity = capacities.get("qwen")
         assert capacity is not None and set(capacity.pods) == pods
         assert (capacity.blocks, capacity.block_size) == (63 + 100, 128)
@@ -483,7 +490,7 @@ async def test_a_service_gives_the_pods_it_resolves_to_and_follows_them(tmp_path
             await discovery.refresh(session)
 
             def pods_of(*hosts: str) -> tuple[PodCapacity, ...]:
-                return tuple(PodCapacity(f"{host}:{port}", 100) for host in hosts)
+                return tuple(PodCapacity(f"{host}:{port}", 100, 0) for host in hosts)
 
             assert capacities.get("qwen") == PoolCapacity(
                 200, 128, pods_of("127.0.0.2", "127.0.0.3")
