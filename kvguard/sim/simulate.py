@@ -7,8 +7,8 @@ options (defaults: vLLM's OpenAI-server defaults on GPUs under 70 GiB, max_num_s
 max_num_batched_tokens 2048 (H100/H200: 1024 and 8192), and rough 7-8B step costs). Every
 policy (policies.py) replays the same trace on the same engine model, at each rate scale
 (sweep.py); report.py makes the tables. With --pods N the pool's blocks are N engines' caches,
-each its own scheduler, requests sent to them in turn (Envoy's round robin) while the ledger
-counts the pool.
+each its own scheduler; --routing says how requests reach them: in turn (Envoy's round robin)
+while the ledger counts the pool, or to the pod the ledger reserved them on (pick).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from kvguard.sim.model.engine import EngineConfig, StepCost
 from kvguard.sim.model.policies import POLICIES, by_names
 from kvguard.sim.model.replay import Run
 from kvguard.sim.model.report import DEFAULT_TTFT_SLO_S, PolicyStats, policy_table, tenant_table
-from kvguard.sim.model.sweep import QUIET_RATE, QUIET_TENANT
+from kvguard.sim.model.sweep import QUIET_RATE, QUIET_TENANT, ROUTINGS
 from kvguard.sim.model.trace import Trace, TraceError, load
 
 DEFAULT_COST = StepCost()
@@ -50,7 +50,8 @@ class Options:
     sweep: tuple[float, ...] = ()  # rate scales, in place of rate_scale
     ttft_slo_s: float = DEFAULT_TTFT_SLO_S
     quiet_tenant: bool = False
-    pods: int = 1  # the pool's blocks split over this many engines, routed round robin
+    pods: int = 1  # the pool's blocks split over this many engines
+    routings: tuple[str, ...] = ("round_robin",)  # how requests reach them (sweep.ROUTINGS)
 
     @property
     def scales(self) -> tuple[float, ...]:
@@ -110,6 +111,7 @@ async def measure(
         slo_s=options.ttft_slo_s,
         quiet_tenant=options.quiet_tenant,
         pods=options.pods,
+        routings=options.routings,
     )
 
 
@@ -134,7 +136,8 @@ def describe(trace: Trace, options: Options, capacity: PoolCapacity, config: con
         f"{scaling}); {limits} send max_tokens, the others the tier default",
         f"pool {pool.name}: {capacity.blocks} blocks of {capacity.block_size} tokens"
         + (
-            f" on {options.pods} pods of {capacity.blocks // options.pods}, routed round robin"
+            f" on {options.pods} pods of {capacity.blocks // options.pods}, routed "
+            + " and ".join(r.replace("_", " ") for r in options.routings)
             if options.pods > 1
             else ""
         )
@@ -190,8 +193,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "report its p99 TTFT against it replayed alone")  # fmt: skip
     parser.add_argument("--limit", type=int, help="replay only the first N requests")
     parser.add_argument("--pods", type=int, default=1, help="the pool's blocks split over N "
-                        "engines (vLLM pods), requests sent to them in turn as Envoy's round "
-                        "robin does (default 1)")  # fmt: skip
+                        "engines (vLLM pods), each its own cache (default 1)")  # fmt: skip
+    parser.add_argument("--routing", default="round_robin",
+                        help="how requests reach the pods, one or both of round_robin (the "
+                        "gateway balances) and pick (kvguard reserves on a pod and names it), "
+                        "comma-separated: each gated policy runs once per routing (default "
+                        "%(default)s)")  # fmt: skip
     parser.add_argument(
         "--retries",
         type=int,
@@ -237,6 +244,11 @@ def run_from_args(args: argparse.Namespace) -> int:
             raise ValueError(f"--ttft-slo {args.ttft_slo:g}: expected seconds above 0")
         if args.pods < 1:
             raise ValueError(f"--pods {args.pods}: expected 1 or more")
+        routings = tuple(r.strip() for r in args.routing.split(","))
+        unknown = [r for r in routings if r not in ROUTINGS]
+        if unknown or not routings or len(set(routings)) < len(routings):
+            raise ValueError(f"--routing {args.routing}: expected one or both of "
+                             f"{', '.join(ROUTINGS)}, each once")  # fmt: skip
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -259,6 +271,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             ttft_slo_s=args.ttft_slo,
             quiet_tenant=args.quiet_tenant,
             pods=args.pods,
+            routings=routings,
         )
     )
 

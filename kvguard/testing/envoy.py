@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import copy
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from kvguard.sim.envoy import (
     KVGUARD_CLUSTER,
     LISTENER,
+    LOOPBACK,
     SHIPPED_CONFIG,
     UPSTREAM_CLUSTER,
     EnvoyConfigError,
@@ -48,6 +49,8 @@ __all__ = [
     "http_filters",
     "listener",
     "loopback_config",
+    "on_upstreams",
+    "original_dst",
     "render_envoy_config",
     "validate_envoy_config",
     "virtual_hosts",
@@ -100,6 +103,43 @@ def without_http_filter(config: Mapping[str, Any], name: str) -> dict[str, Any]:
     filters = http_filters(result)
     named(filters, name, "http filter")
     filters[:] = [f for f in filters if f.get("name") != name]
+    return result
+
+
+def on_upstreams(config: Mapping[str, Any], ports: Sequence[int]) -> dict[str, Any]:
+    """A copy of `config` whose vllm cluster has one host per port of `ports` on 127.0.0.1: the
+    pods of a pool, as a headless Service's DNS gives them to the STRICT_DNS cluster."""
+    result = copy.deepcopy(dict(config))
+    upstream = cluster(result, UPSTREAM_CLUSTER)
+    upstream["type"] = "STATIC"
+    upstream.pop("dns_lookup_family", None)
+    hosts = [
+        {"endpoint": {"address": {"socket_address": {"address": LOOPBACK, "port_value": port}}}}
+        for port in ports
+    ]
+    upstream["load_assignment"] = {
+        "cluster_name": UPSTREAM_CLUSTER,
+        "endpoints": [{"lb_endpoints": hosts}],
+    }
+    return result
+
+
+def original_dst(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of `config` whose vllm cluster is an ORIGINAL_DST cluster sending each request to
+    the address in its x-gateway-destination-endpoint header, as llm-d's chart and kgateway
+    configure an InferencePool's upstream (the compatibility mode of the endpoint picker)."""
+    result = copy.deepcopy(dict(config))
+    upstream = cluster(result, UPSTREAM_CLUSTER)
+    for key in ("load_assignment", "load_balancing_policy", "dns_lookup_family"):
+        upstream.pop(key, None)
+    upstream.update(
+        type="ORIGINAL_DST",
+        lb_policy="CLUSTER_PROVIDED",
+        original_dst_lb_config={
+            "use_http_header": True,
+            "http_header_name": "x-gateway-destination-endpoint",
+        },
+    )
     return result
 
 

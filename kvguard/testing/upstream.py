@@ -76,8 +76,10 @@ class Loopback:
 class RecordingUpstream(Loopback):
     """An aiohttp server on 127.0.0.1; `requests` holds what arrived, in order of arrival."""
 
-    def __init__(self, *, token_delay: float = 0.0) -> None:
+    def __init__(self, *, token_delay: float = 0.0, metrics: str | None = None) -> None:
         self.token_delay = token_delay
+        # What GET /metrics answers, as a vLLM server's (not recorded); None: no such path.
+        self.metrics = metrics
         self.requests: list[RecordedRequest] = []
         self._in_flight = 0
         self._peak_in_flight = 0
@@ -132,6 +134,8 @@ class RecordingUpstream(Loopback):
         return list(self.requests)
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
+        if self.metrics is not None and request.method == "GET" and request.path == "/metrics":
+            return web.Response(text=self.metrics, content_type="text/plain")
         self._in_flight += 1
         self._peak_in_flight = max(self._peak_in_flight, self._in_flight)
         try:

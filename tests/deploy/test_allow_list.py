@@ -30,7 +30,7 @@ ENVOY_CONFIGS = [ROOT / "envoy" / "envoy.yaml", K8S / "base" / "gateway" / "envo
 # What a forwarding route may hold: nothing that rewrites the path vLLM routes on
 # (prefix_rewrite, regex_rewrite) or turns a filter off for it (typed_per_filter_config).
 ROUTE_KEYS = {"match", "route", "request_headers_to_remove", "response_headers_to_add"}
-ACTION_KEYS = {"cluster", "timeout", "idle_timeout"}
+ACTION_KEYS = {"cluster", "timeout", "idle_timeout", "retry_policy"}
 ISTIO_ROUTE_KEYS = {"name", "match", "route", "timeout"}
 
 

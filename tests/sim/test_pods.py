@@ -1,5 +1,6 @@
 """A pool of several pods in the simulator: an engine each, requests sent to them in turn as
-Envoy's round robin sends them, while the ledger counts the pool."""
+Envoy's round robin sends them while the ledger counts the pool, or to the pod the ledger
+reserved them on (routing pick)."""
 
 from __future__ import annotations
 
@@ -64,6 +65,34 @@ async def test_round_robin_overflows_one_pod_that_the_pool_sum_admits() -> None:
     assert "preempt by pod" not in policy_table([policy_stats(alone, 1, True, 2.0)], 2.0)
 
 
+async def test_the_pick_reserves_on_the_pod_and_sends_the_request_there() -> None:
+    config = parse_config(CONFIG, "sim.yaml", environ={})
+    pool = PoolCapacity(80, 16)
+    picked = await replay_policy(
+        FLOOD, POLICIES["worst_case"], config, pool, POD, pods=2, routing="pick"
+    )
+    assert picked.label == "worst_case pick"
+    assert [o.verdict.refused for o in picked.outcomes] == [None] * 4
+    assert all(o.seq is not None and o.seq.finish_reason for o in picked.outcomes)
+    # A long request on each pod (25 of its 40 blocks), a short one beside each: none preempts.
+    pods = [o.verdict.lease.pod for o in picked.outcomes if o.verdict.lease is not None]
+    assert pods == ["pod-0", "pod-1", "pod-1", "pod-0"]
+    assert picked.pod_preemptions == [0, 0]
+
+
+async def test_a_request_that_fits_no_pod_is_refused_though_the_pool_has_room() -> None:
+    config = parse_config(CONFIG, "sim.yaml", environ={})
+    longs = [TraceRequest(i * 0.001, "t", 100, 300, 300) for i in range(3)]  # 25 blocks each
+    picked = await replay_policy(
+        longs, POLICIES["worst_case"], config, PoolCapacity(80, 16), POD, pods=2,
+        routing="pick",
+    )  # fmt: skip
+    # One on each pod; the third fits the pool's 80 (75) but neither pod's 15 left.
+    refused = [o.verdict.refused for o in picked.outcomes]
+    assert refused == [None, None, "kv_cache_watermark_exceeded"]
+    assert picked.pod_preemptions == [0, 0]
+
+
 async def test_an_idle_pod_starts_at_once_while_another_is_in_a_step() -> None:
     slow = EngineConfig(num_gpu_blocks=9, block_size=16, max_model_len=128, max_num_seqs=1,
                         cost=StepCost(1.0, 0, 0))  # fmt: skip
@@ -95,6 +124,22 @@ def test_simulate_with_pods_says_how_the_pool_is_split(
     out = capsys.readouterr().out
     assert "pool p: 80 blocks of 16 tokens on 2 pods of 40, routed round robin" in out
     assert "preempt by pod" in out
+    both = Options(str(trace), str(config), policies=("vllm", "worst_case"), pods=2,
+                   routings=("round_robin", "pick"))  # fmt: skip
+    assert run(both) == 0
+    out = capsys.readouterr().out
+    assert "on 2 pods of 40, routed round robin and pick" in out
+    assert "worst_case pick" in out and "vllm pick" not in out
+
+
+def test_an_unknown_routing_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--trace", "t.csv", "--config", "c.yaml", "--routing", "random"])
+    assert run_from_args(args) == 2
+    assert capsys.readouterr().err == (
+        "error: --routing random: expected one or both of round_robin, pick, each once\n"
+    )
 
 
 def test_no_pods_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,7 +10,8 @@ kvguard's clamped or injected one when gated, else the client's, else vLLM's own
 
 A pool of several pods is several engines, each with its own cache, scheduler and steps, as
 vLLM runs one per pod; an admitted request goes to the next pod in turn (`round_robin`: Envoy's
-balancing, which knows nothing of what is reserved where), and a pod preempts on its own.
+balancing, which knows nothing of what is reserved where), or, `by_lease`, to the pod its lease
+was reserved on (kvguard's pick, the pods named by `pod_names`); a pod preempts on its own.
 """
 
 from __future__ import annotations
@@ -97,6 +98,11 @@ class _Clock:
         return self.now
 
 
+def pod_names(pods: int) -> list[str]:
+    """What the ledger calls the simulated pods, in the engines' order."""
+    return [f"pod-{i}" for i in range(pods)]
+
+
 async def replay(
     requests: list[TraceRequest],
     config: EngineConfig,
@@ -106,6 +112,7 @@ async def replay(
     retries: int = 0,
     reserve: Callable[[TraceRequest], int | None] | None = None,
     pods: int = 1,
+    by_lease: bool = False,
 ) -> Run:
     """Run `requests` (sorted by arrival) through `pods` fresh engines of `config`, admitted
     requests sent to them in turn; guarded when a gate is made, each request reserving
@@ -119,6 +126,7 @@ async def replay(
     gate = gate_factory(clock) if gate_factory is not None else None
     engines = [Engine(config) for _ in range(pods)]
     turn = itertools.cycle(engines)  # round robin over the pods
+    on_pod = dict(zip(pod_names(pods), engines, strict=True))
     steps: list[StepResult | None] = [None] * pods  # the step each pod is in, if any
     run = Run(label)
     horizon = requests[-1].arrival_s if requests else 0.0
@@ -177,7 +185,11 @@ async def replay(
             tenant=request.tenant,
             stop_after=request.output_tokens,
         )
-        next(turn).add(outcome.seq)
+        lease = verdict.lease
+        if by_lease and lease is not None and lease.pod:
+            on_pod[lease.pod].add(outcome.seq)
+        else:
+            next(turn).add(outcome.seq)
         open_leases[outcome.seq.uid] = (verdict, outcome.seq)
 
     def progress() -> list[tuple[Verdict, int]]:

@@ -1,5 +1,7 @@
 """The policies replayed side by side: each on the same trace and engine model, at each rate
-scale, with a quiet tenant beside the trace when asked.
+scale, with a quiet tenant beside the trace when asked. On several pods a gated policy runs once
+per routing: `round_robin` (the gateway's balancing; kvguard counts the pool's sum) and `pick`
+(kvguard reserves on a pod and the request goes there, as `routing: pick` in serve).
 
 The quiet tenant sends QUIET_RATE requests per second whatever the scale (Poisson arrivals from
 a fixed seed, over the scaled trace's window), each with the trace's median prompt and output
@@ -14,12 +16,12 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import replace
 
-from kvguard.admission.capacity import PoolCapacity
+from kvguard.admission.capacity import PodCapacity, PoolCapacity
 from kvguard.config.schema import Config
 from kvguard.sim.model.engine import EngineConfig
 from kvguard.sim.model.gate import PolicyGate
 from kvguard.sim.model.policies import POLICIES, Policy
-from kvguard.sim.model.replay import Run, replay
+from kvguard.sim.model.replay import Run, pod_names, replay
 from kvguard.sim.model.report import PolicyStats, policy_stats, tenant_p99
 from kvguard.sim.model.trace import Trace, TraceError, TraceRequest
 
@@ -51,6 +53,10 @@ def with_quiet(trace: Trace, quiet: list[TraceRequest]) -> Trace:
     return Trace(trace.format, merged)
 
 
+# How requests reach the pods: the gateway's round robin, or kvguard's pick.
+ROUTINGS = ("round_robin", "pick")
+
+
 async def replay_policy(
     requests: list[TraceRequest],
     policy: Policy,
@@ -59,19 +65,30 @@ async def replay_policy(
     engine: EngineConfig,
     retries: int = 0,
     pods: int = 1,
+    routing: str = "round_robin",
 ) -> Run:
     """`requests` replayed under `policy` on `pods` fresh engines (and a ledger, when it gates,
-    over the pool's `capacity`: every pod's blocks)."""
+    over the pool's `capacity`: every pod's blocks), routed by `routing` (ROUTINGS; the
+    ungated policy is always round robin)."""
     if not policy.gated:
         return await replay(requests, engine, None, label=policy.name, pods=pods)
+    label = policy.name
+    if routing == "pick":  # the ledger picks among the pods, each with its own cache
+        blocks = engine.num_gpu_blocks - 1
+        names = pod_names(pods)
+        capacity = replace(capacity, pods=tuple(PodCapacity(name, blocks) for name in names))
+        pool = config.pools[0].model_copy(update={"routing": "pick"})
+        config = config.model_copy(update={"pools": [pool, *config.pools[1:]]})
+        label = f"{policy.name} pick"
     return await replay(
         requests,
         engine,
         lambda clock: PolicyGate(config, capacity, clock, calibrated=policy.calibrated),
-        label=policy.name,
+        label=label,
         retries=retries,
         reserve=policy.reserve,
         pods=pods,
+        by_lease=routing == "pick",
     )
 
 
@@ -83,12 +100,18 @@ async def compare(
     retries: int = 0,
     policies: list[Policy] | None = None,
     pods: int = 1,
+    routings: Sequence[str] = ("round_robin",),
 ) -> list[Run]:
-    """One run per policy (all of them by default), on the same trace and engine model."""
+    """One run per policy (all of them by default) and routing (the ungated policy once), on
+    the same trace and engine model."""
     chosen = policies if policies is not None else list(POLICIES.values())
     return [
-        await replay_policy(trace.requests, policy, config, capacity, engine, retries, pods)
+        await replay_policy(
+            trace.requests, policy, config, capacity, engine, retries, pods, routing
+        )
+        for routing in routings
         for policy in chosen
+        if policy.gated or routing == routings[0]
     ]
 
 
@@ -104,6 +127,7 @@ async def measure(
     slo_s: float,
     quiet_tenant: bool,
     pods: int = 1,
+    routings: Sequence[str] = ("round_robin",),
 ) -> tuple[list[PolicyStats], list[Run]]:
     """Each policy's figures at each rate scale (the quiet tenant added when asked), and the
     runs of the last scale."""
@@ -114,11 +138,19 @@ async def measure(
         quiet = quiet_requests(scaled) if quiet_tenant else []
         if quiet_tenant:
             scaled = with_quiet(scaled, quiet)
-        runs = await compare(scaled, config, capacity, engine, retries, policies, pods)
-        for policy, run in zip(policies, runs, strict=True):
+        runs = await compare(scaled, config, capacity, engine, retries, policies, pods, routings)
+        runs_of = [
+            (policy, routing)
+            for routing in routings
+            for policy in policies
+            if policy.gated or routing == routings[0]
+        ]
+        for (policy, routing), run in zip(runs_of, runs, strict=True):
             stats = policy_stats(run, scale, policy.gated, slo_s)
             if quiet_tenant:
-                alone = await replay_policy(quiet, policy, config, capacity, engine, pods=pods)
+                alone = await replay_policy(
+                    quiet, policy, config, capacity, engine, pods=pods, routing=routing
+                )
                 stats = replace(stats, quiet_p99=tenant_p99(run, QUIET_TENANT),
                                 quiet_alone_p99=tenant_p99(alone, QUIET_TENANT))  # fmt: skip
             rows.append(stats)

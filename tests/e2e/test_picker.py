@@ -1,0 +1,155 @@
+"""kvguard as the endpoint picker behind the real Envoy, started from the shipped envoy.yaml with
+its vllm cluster holding two pods (recording upstreams on 127.0.0.1 that serve vLLM's /metrics):
+each request reaches the pod kvguard reserved it on (the override_host policy reading the
+`envoy.lb` metadata, or an ORIGINAL_DST cluster reading the destination header, as llm-d's
+chart and kgateway configure one), and a request Envoy sends elsewhere has its lease moved to the pod that
+served it (the served key, read on the response headers where the gateway sends them, as the
+Gateway API Inference Extension's gateways do)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from kvguard.app import Service
+from kvguard.extproc.picker import DESTINATION
+from kvguard.ops.discovery import pod_address
+from kvguard.testing.envoy import (
+    EXT_PROC_FILTER,
+    EnvoyProcess,
+    http_filter,
+    loopback_config,
+    on_upstreams,
+    original_dst,
+)
+from kvguard.testing.upstream import RecordingUpstream
+from kvguard.testing.wait import wait_until
+from tests.extproc.harness import running
+from tests.ops.fakes import REAL_METRICS
+from tests.ops.test_discovery import with_labels
+
+LONG = {"model": "qwen", "messages": [{"role": "user", "content": "a story"}], "max_tokens": 512}
+SHORT = {**LONG, "max_tokens": 16}
+HELD = {"x-tenant-id": "acme", "x-test-delay": "2"}  # each answer waits 2 s upstream
+
+
+@asynccontextmanager
+async def two_pods(
+    tmp_path: Path,
+    extra: RecordingUpstream | None = None,
+    token_delay: float = 0.0,
+    send_response_headers: bool = False,
+    upstream: str = "override_host",
+) -> AsyncIterator[tuple[Service, EnvoyProcess, list[RecordingUpstream]]]:
+    """kvguard reading two pods (and `extra`, which Envoy's cluster does not hold), behind
+    Envoy whose vllm cluster holds the two (streaming a token every `token_delay` seconds),
+    its ext_proc sent the response headers when asked; `upstream` "original_dst": the cluster
+    an ORIGINAL_DST one that reads the destination header instead."""
+    pods = [RecordingUpstream(metrics=REAL_METRICS, token_delay=token_delay) for _ in range(2)]
+    async with AsyncExitStack() as stack:
+        for upstream in [*pods, *([extra] if extra else [])]:
+            await upstream.start()
+            stack.push_async_callback(upstream.stop)
+        urls = [u.url for u in pods] + ([extra.url] if extra else [])
+        pool = {"capacity": {"endpoints": urls, "refresh_seconds": 1}}
+        service, _ = await stack.enter_async_context(running(tmp_path, pool=pool))
+        config = on_upstreams(loopback_config(service.grpc.port, 0), [u.port for u in pods])
+        if upstream == "original_dst":
+            config = original_dst(config)
+        if send_response_headers:  # as the Gateway API Inference Extension's gateways do
+            http_filter(config, EXT_PROC_FILTER)["processing_mode"]["response_header_mode"] = "SEND"
+        envoy = await stack.enter_async_context(EnvoyProcess(config, tmp_path))
+        await envoy.wait_cluster_healthy("kvguard")
+
+        async def read() -> bool:
+            capacity = service.capacities.get("qwen")
+            return capacity is not None and len(capacity.pods) == len(urls)
+
+        await wait_until(read, "every pod read", timeout_s=10)
+        yield service, envoy, pods
+
+
+async def post(
+    http: aiohttp.ClientSession, url: str, body: Any, headers: dict[str, str] = HELD
+) -> tuple[int, bytes]:
+    async with http.post(url, json=body, headers=headers) as answer:
+        return answer.status, await answer.read()
+
+
+@pytest.mark.parametrize("upstream", ["override_host", "original_dst"])
+async def test_each_request_reaches_the_pod_it_is_reserved_on(
+    tmp_path: Path, upstream: str
+) -> None:
+    async with (
+        two_pods(tmp_path, upstream=upstream) as (service, envoy, pods),
+        aiohttp.ClientSession() as http,
+    ):
+        url = f"{envoy.url}/v1/chat/completions"
+        sent: list[asyncio.Task[tuple[int, bytes]]] = []
+        by_pod: dict[str, int] = {}
+        # Long and short alternating, each in flight before the next: the flood that sent every
+        # long one to the same engine under round robin.
+        for i, body in enumerate([LONG, SHORT] * 3):
+            sent.append(asyncio.create_task(post(http, url, body)))
+            arrived = sum(len(p.requests) for p in pods)
+            await wait_until(
+                lambda n=i + 1: sum(len(p.requests) for p in pods) >= n,
+                f"request {i} upstream (after {arrived})",
+                timeout_s=10,
+            )
+        usage = await service.ledger.usage("qwen")
+        addresses = [pod_address(pod.url) for pod in pods]
+        answers = await asyncio.gather(*sent)
+        await wait_until(lambda: _reserved(service, 0), "every lease released", timeout_s=10)
+    assert all(status == 200 for status, _ in answers), answers
+    for pod, address in zip(pods, addresses, strict=True):
+        for request in pod.requests:
+            # Every request went to the pod kvguard named, and the ledger counted it there.
+            assert request.headers[DESTINATION] == address
+            by_pod[address] = by_pod.get(address, 0) + 1
+    assert sorted(by_pod.values()) == [3, 3]  # both pods serve
+    # Long ones take 5 blocks of 128, short ones 1: each goes where the most stay free after it
+    # (the first pod on a tie), long, short, long on one pod and short, long, short on the other.
+    assert sorted(usage.pods.values()) == [7, 11] and usage.reserved == 18
+
+
+async def _reserved(service: Service, blocks: int) -> bool:
+    return (await service.ledger.usage("qwen")).reserved == blocks
+
+
+async def test_a_lease_follows_its_request_to_the_pod_that_served_it(tmp_path: Path) -> None:
+    # A third pod kvguard reads, with the most free blocks, that Envoy's cluster does not
+    # hold (not yet in its endpoints): the pick names it, Envoy's fallback serves elsewhere.
+    larger = RecordingUpstream(metrics=with_labels(REAL_METRICS, num_gpu_blocks="101"))
+    # Streamed, 100 tokens 50 ms apart: the response's headers come at once, its end 5 s later.
+    streamed = {**LONG, "max_tokens": 100, "stream": True}
+    async with (
+        two_pods(tmp_path, extra=larger, token_delay=0.05, send_response_headers=True) as (
+            service,
+            envoy,
+            pods,
+        ),
+        aiohttp.ClientSession() as http,
+    ):
+        url = f"{envoy.url}/v1/chat/completions"
+        task = asyncio.create_task(post(http, url, streamed, {"x-tenant-id": "acme"}))
+        await wait_until(
+            lambda: sum(len(p.requests) for p in pods) == 1, "the request upstream", timeout_s=10
+        )
+        (served,) = [p for p in pods if p.requests]
+        assert served.requests[0].headers[DESTINATION] == pod_address(larger.url)
+
+        async def moved() -> bool:
+            pods_now = (await service.ledger.usage("qwen")).pods
+            return pods_now == {pod_address(served.url): 1}
+
+        await wait_until(moved, "the lease on the pod that served it", timeout_s=10)
+        status, _ = await task
+        await wait_until(lambda: _reserved(service, 0), "the lease released", timeout_s=10)
+    assert status == 200 and not larger.requests
