@@ -4,9 +4,10 @@ not a test).
 `Admission.admit` in process on the memory ledger, its counter given the prompt's count (no
 tokenizer: counting is measured by bench_tokens.py), for a chat request without max_tokens, in
 a pool in `worst_case` mode and in the same pool in `calibrated` mode with 2,000 learnt samples
-per tier and tenant; each lease is released at once. Also the growth step: `LeaseKeeper.grow_all`
-over 1,000 open growing leases. Rounds alternate between the modes, so that a noisy host slows
-both alike.
+per tier and tenant; each lease is released at once. Also the pick of the pod (`routing: pick`,
+worst case): the same decision in a pool of 1, 4, 16 and 64 pods that all fit, against the pool
+without pods. And the growth step: `LeaseKeeper.grow_all` over 1,000 open growing leases.
+Rounds alternate between the variants, so that a noisy host slows them alike.
 
     .venv/bin/python bench/bench_reservation.py [--decisions 20000] [--rounds 5]
 """
@@ -27,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvguard.admission.admit import Admission, AdmissionRequest, AdmissionSettings  # noqa: E402
 from kvguard.admission.calibration import Calibration, Growth  # noqa: E402
-from kvguard.admission.capacity import Capacities, PoolCapacity  # noqa: E402
+from kvguard.admission.capacity import Capacities, PodCapacity, PoolCapacity  # noqa: E402
 from kvguard.admission.leases import LeaseKeeper  # noqa: E402
 from kvguard.admission.policy import Policy, PoolPolicy, identify_request  # noqa: E402
 from kvguard.admission.record import Decision  # noqa: E402
@@ -54,23 +55,36 @@ class GivenCount:
         return [1000]
 
 
-def config(mode: str) -> Config:
+PICK_PODS = (1, 4, 16, 64)
+
+
+def pod_urls(pods: int) -> list[str]:
+    return [f"http://10.0.{i // 250}.{i % 250 + 1}:8000" for i in range(pods)]
+
+
+def config(mode: str, pods: int = 0) -> Config:
+    """A pool in `mode`; with `pods`, discovered from that many endpoints and picking."""
     tier = TierConfig(max_tokens_cap=1024, default_max_tokens=1024, max_blocks=10**9)
+    capacity = CapacityConfig(blocks=10**9, block_size=16)
+    if pods:
+        capacity = CapacityConfig(endpoints=pod_urls(pods))
     pool = PoolConfig(
         name="p",
         models=[MODEL],
         tokenizer="/models/p",
         max_model_len=8192,
-        capacity=CapacityConfig(blocks=10**9, block_size=16),
+        capacity=capacity,
         reservation=ReservationConfig(mode=mode),  # type: ignore[arg-type]
+        routing="pick" if pods else None,
     )
     return Config(tenancy=TenancyConfig(default_tier="chat", tiers={"chat": tier}), pools=[pool])
 
 
-def admission(mode: str) -> tuple[Admission, Policy, Calibration]:
-    cfg = config(mode)
+def admission(mode: str, pods: int = 0) -> tuple[Admission, Policy, Calibration]:
+    cfg = config(mode, pods)
     pool = cfg.pools[0]
-    capacity = PoolCapacity(10**9, 16)
+    each = tuple(PodCapacity(url.split("//")[1], 10**9) for url in pod_urls(pods))
+    capacity = PoolCapacity(10**9 * max(pods, 1), 16, each)
     pooled = PoolPolicy(pool, cast(PoolTokenizer, None), capacity)
     policy = Policy(cfg.tenancy, False, {pool.name: pooled}, {MODEL: pooled})
     capacities = Capacities()
@@ -87,15 +101,15 @@ def admission(mode: str) -> tuple[Admission, Policy, Calibration]:
     )
 
 
-async def decisions(mode: str, count: int) -> float:
-    """Seconds of CPU per decision (admit + release)."""
-    admitting, policy, _ = admission(mode)
+async def decisions(mode: str, count: int, pods: int = 0) -> float:
+    """Seconds of CPU per decision (admit + release), in a pool of `pods` picked pods."""
+    admitting, policy, _ = admission(mode, pods)
     identity = identify_request(policy, {"x-tenant-id": "acme"})
     started = time.process_time()
     for _ in range(count):
         request = AdmissionRequest(policy, "chat", identity, BODY, Decision())
         admitted = await admitting.admit(request)
-        assert admitted.lease is not None
+        assert admitted.lease is not None and bool(admitted.lease.pod) == bool(pods)
         await admitting.ledger.release(admitted.lease)
     return (time.process_time() - started) / count
 
@@ -119,10 +133,14 @@ async def growth(leases: int, rounds: int) -> float:
 
 async def main(count: int, rounds: int) -> dict[str, Any]:
     per_mode: dict[str, list[float]] = {"worst_case": [], "calibrated": []}
+    per_pods: dict[int, list[float]] = {pods: [] for pods in PICK_PODS}
     for _ in range(rounds):
         for mode in per_mode:
             per_mode[mode].append(await decisions(mode, count))
+        for pods in per_pods:
+            per_pods[pods].append(await decisions("worst_case", count, pods))
     median = {mode: statistics.median(values) for mode, values in per_mode.items()}
+    picks = {pods: statistics.median(values) for pods, values in per_pods.items()}
     grow = await growth(1000, 20)
     started = time.perf_counter()
     sum(range(10**8))
@@ -131,6 +149,10 @@ async def main(count: int, rounds: int) -> dict[str, Any]:
         "host_sum_range_1e8_s": round(host, 2),
         "decision_us": {mode: round(value * 1e6, 1) for mode, value in median.items()},
         "calibrated_over_worst_case": round(median["calibrated"] / median["worst_case"], 3),
+        "pick_decision_us": {str(pods): round(value * 1e6, 1) for pods, value in picks.items()},
+        "pick_over_no_pods": {
+            str(pods): round(value / median["worst_case"], 3) for pods, value in picks.items()
+        },
         "grow_all_1000_leases_ms": round(grow * 1e3, 2),
     }
 
