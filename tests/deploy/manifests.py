@@ -45,6 +45,9 @@ KUSTOMIZATIONS = (
     "overlays/istio-gateway",
     "overlays/istio-sidecar",
 )
+# Those whose kvguard is an InferencePool's endpoint picker, behind a gateway of the cluster's
+# (no Envoy, no sidecar of kvguard's own): tests/deploy/test_inference_pool.py.
+PICKERS = ("overlays/inference-pool",)
 
 Resource = dict[str, Any]
 # What envoy/envoy.yaml sets on its HTTP connection manager for kvguard's sake.

@@ -2,9 +2,9 @@
 its vllm cluster holding two pods (recording upstreams on 127.0.0.1 that serve vLLM's /metrics):
 each request reaches the pod kvguard reserved it on (the override_host policy reading the
 `envoy.lb` metadata, or an ORIGINAL_DST cluster reading the destination header, as llm-d's
-chart and kgateway configure one), and a request Envoy sends elsewhere has its lease moved to the pod that
-served it (the served key, read on the response headers where the gateway sends them, as the
-Gateway API Inference Extension's gateways do)."""
+chart and kgateway configure one), and a request Envoy sends elsewhere has its lease moved to
+the pod that served it (the served key, read on the response headers where the gateway sends
+them, as the Gateway API Inference Extension's gateways do)."""
 
 from __future__ import annotations
 
