@@ -354,9 +354,9 @@ class PoolConfig(_Strict):
     # default, chosen by measurement: docs/performance.md) makes no promises.
     retry_after_max_seconds: Annotated[float, Field(ge=0, le=3600)] = 0.0
     queue: QueueConfig = QueueConfig()
-    # pick: kvguard reserves on one pod and names it to the gateway (the endpoint picker);
-    # envoy: the gateway balances, kvguard counts the pool's sum. Absent: pick where the
-    # capacity is discovered from more than one endpoint or from a Service.
+    # pick: kvguard reserves on one pod and names it to the gateway (the endpoint picker), so
+    # that each pool's requests go to its own pods; envoy: the gateway balances, kvguard counts
+    # the pool's sum. Absent: pick where the capacity is discovered (its pods are known).
     routing: Literal["pick", "envoy"] | None = None
 
     @property
@@ -364,7 +364,7 @@ class PoolConfig(_Strict):
         """Whether kvguard picks the pod of each request of this pool."""
         if self.routing is not None:
             return self.routing == "pick"
-        return self.capacity.service is not None or len(self.capacity.endpoints or []) > 1
+        return self.capacity.discovered
 
     @model_validator(mode="after")
     def _pick_among_discovered_pods(self) -> PoolConfig:

@@ -369,7 +369,7 @@ def test_routing_pick_needs_discovered_pods(tmp_path: Path) -> None:
     assert "pools[0].routing: pick needs the pool's pods" in raised.value.problems[0]
 
 
-def test_routing_defaults_to_pick_over_several_servers_and_envoy_there_is_a_warning(
+def test_routing_defaults_to_pick_where_discovered_and_envoy_over_several_is_a_warning(
     tmp_path: Path,
 ) -> None:
     tiers = _tiers("{max_tokens_cap: 512, default_max_tokens: 256, max_blocks: 2000}")
@@ -379,7 +379,7 @@ def test_routing_defaults_to_pick_over_several_servers_and_envoy_there_is_a_warn
     several = one.replace("['http://a:8000']", "['http://a:8000', 'http://b:8000']")
     service = one.replace("endpoints: ['http://a:8000']", "service: 'vllm:8000'")
     path = tmp_path / "kvguard.yaml"
-    for text, picks in ((GOOD_POOL, False), (one, False), (several, True), (service, True)):
+    for text, picks in ((GOOD_POOL, False), (one, True), (several, True), (service, True)):
         path.write_text(text + tiers)
         assert config.load(path, environ={}).pools[0].picks is picks
     assert _warnings(tmp_path, several + tiers) == []

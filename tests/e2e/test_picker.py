@@ -119,6 +119,47 @@ async def test_each_request_reaches_the_pod_it_is_reserved_on(
     assert sorted(usage.pods.values()) == [7, 11] and usage.reserved == 18
 
 
+async def test_each_models_requests_reach_its_own_pools_pods(tmp_path: Path) -> None:
+    """Two pools (models) of one pod each, both pods in Envoy's one vllm cluster: each request
+    goes to its model's pod, with no Envoy change for the second model."""
+    pods = [RecordingUpstream(metrics=REAL_METRICS) for _ in range(2)]
+    async with AsyncExitStack() as stack:
+        for upstream in pods:
+            await upstream.start()
+            stack.push_async_callback(upstream.stop)
+        first = {"capacity": {"endpoints": [pods[0].url], "refresh_seconds": 1}}
+        second = {
+            "name": "other",
+            "models": ["other"],
+            "capacity": {"endpoints": [pods[1].url], "refresh_seconds": 1},
+        }
+        service, _ = await stack.enter_async_context(
+            running(tmp_path, pool=first, more_pools=[second])
+        )
+        config = on_upstreams(loopback_config(service.grpc.port, 0), [u.port for u in pods])
+        envoy = await stack.enter_async_context(EnvoyProcess(config, tmp_path))
+        await envoy.wait_cluster_healthy("kvguard")
+        await wait_until(
+            lambda: all(service.capacities.get(p) is not None for p in ("qwen", "other")),
+            "both pools read",
+            timeout_s=10,
+        )
+        http = await stack.enter_async_context(aiohttp.ClientSession())
+        url = f"{envoy.url}/v1/chat/completions"
+        headers = {"x-tenant-id": "acme"}
+        for model in ["qwen", "other"] * 4:
+            status, _ = await post(http, url, {**SHORT, "model": model}, headers)
+            assert status == 200
+
+        async def released() -> bool:
+            usages = [await service.ledger.usage(pool) for pool in ("qwen", "other")]
+            return all(usage.reserved == 0 for usage in usages)
+
+        await wait_until(released, "every lease released", timeout_s=10)
+    models = [[r.json()["model"] for r in pod.requests] for pod in pods]
+    assert models == [["qwen"] * 4, ["other"] * 4]
+
+
 async def _reserved(service: Service, blocks: int) -> bool:
     return (await service.ledger.usage("qwen")).reserved == blocks
 

@@ -29,13 +29,16 @@ async def running(
     reload_interval_s: float = 0.05,
     pool: dict[str, Any] | None = None,
     response_sample: float = DEFAULT_SAMPLE,
+    more_pools: list[dict[str, Any]] | None = None,
     **overrides: Any,
 ) -> AsyncIterator[tuple[Service, Any]]:
     """A started Service on a free port and an ext_proc stub; `watch` enables hot reload;
-    `pool` holds extra keys for the one pool; `response_sample` is the share of exchanges
-    (with a request id) whose response is read."""
+    `pool` holds extra keys for the first pool, and each of `more_pools` is the first pool's
+    settings with its own keys; `response_sample` is the share of exchanges (with a request
+    id) whose response is read."""
     data = kvguard_config(**overrides)
     data["pools"][0].update(pool or {})
+    data["pools"] += [{**data["pools"][0], **more} for more in more_pools or []]
     path = write_config(tmp_path, data)
     service = Service(
         configs.load(path, environ={}),
