@@ -279,6 +279,7 @@ class Service:
             # a ledger that could not be read show no value rather than their last one.
             capacity, reserved, tenants, promised = {}, {}, {}, {}
             capacity_known: dict[str, int] = {}
+            pods: dict[str, dict[str, int]] = {}
             for name in list(self.policy.pools):
                 known = self.capacities.get(name)
                 capacity_known[name] = int(known is not None)
@@ -293,7 +294,11 @@ class Service:
                 promised[name] = usage.promised
                 self.calibration.engine.reserved(name, usage.reserved)
                 tenants[name] = usage.tenants
+                if known is not None and known.pods and self.policy.pools[name].config.picks:
+                    # Every discovered pod has a series (0 when it holds nothing): no other.
+                    pods[name] = {p.address: usage.pods.get(p.address, 0) for p in known.pods}
             view.capacity, view.reserved, view.tenants = capacity, reserved, tenants
+            view.pods = pods
             view.capacity_known = capacity_known
             view.ledger_available = int(self.health.snapshot()["ledger"])
             # Only a shared ledger has replicas to count (memory:// is one process).

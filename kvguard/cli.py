@@ -182,6 +182,7 @@ def _ledger_status_via_admin(config: configs.Config) -> int:
             p.reserved_blocks,
             p.leases,
             dict(p.reserved_blocks_by_tenant),
+            dict(p.reserved_blocks_by_pod),
         )
         for p in pools
     ]

@@ -56,6 +56,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
                     free_blocks=max(blocks - usage.reserved, 0),
                     reserved_blocks_by_tenant=usage.tenants,
                     leases=usage.leases,
+                    reserved_blocks_by_pod=usage.pods,
                 )
             )
         return admin_pb2.GetUsageResponse(pools=pools)
@@ -71,6 +72,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
                 tenant=info.lease.tenant,
                 blocks=info.lease.blocks,
                 expires_in_seconds=info.expires_in_s,
+                pod=info.lease.pod,
             )
             for info in await self._ledger.leases(request.pool)
         ]

@@ -26,6 +26,7 @@ class PoolStatus:
     reserved: int
     leases: int
     tenants: dict[str, int] = field(default_factory=dict)
+    pods: dict[str, int] = field(default_factory=dict)  # blocks reserved on each pod
 
     @property
     def limit(self) -> int | None:
@@ -47,14 +48,19 @@ async def read_status(url: str, cluster: bool, pools: list[PoolSpec]) -> list[Po
         out = []
         for spec in pools:
             usage = await ledger.usage(spec.name)
-            out.append(PoolStatus(spec, usage.reserved, usage.leases, dict(usage.tenants)))
+            out.append(
+                PoolStatus(
+                    spec, usage.reserved, usage.leases, dict(usage.tenants), dict(usage.pods)
+                )
+            )
         return out
     finally:
         await ledger.close()
 
 
 def render(url: str, cluster: bool, statuses: list[PoolStatus]) -> str:
-    """A table per pool, then each tenant's reserved blocks (largest first)."""
+    """A table per pool, then each tenant's reserved blocks (largest first), then each pod's
+    (by address), where the pool counts pods."""
 
     def show(value: int | None) -> str:
         return "?" if value is None else str(value)
@@ -88,4 +94,10 @@ def render(url: str, cluster: bool, statuses: list[PoolStatus]) -> str:
         width = max(len(t) for t in s.tenants)
         for tenant, blocks in sorted(s.tenants.items(), key=lambda kv: (-kv[1], kv[0])):
             lines.append(f"  {tenant.ljust(width)}  {blocks}")
+    for s in statuses:
+        if s.pods:
+            lines.append(f"pool {s.spec.name}, reserved blocks per pod:")
+            width = max(len(p) for p in s.pods)
+            for pod, blocks in sorted(s.pods.items()):
+                lines.append(f"  {pod.ljust(width)}  {blocks}")
     return "\n".join(lines)

@@ -21,6 +21,7 @@ values with the SDK's in-memory reader. Prometheus names (a contract: dashboards
     kvguard_reservation_trust{pool}                      1: calibrated reservations reserve their
         estimate; 0: the worst case (discovered)
     kvguard_tenant_reserved_blocks{pool,tenant}          top tenants, the rest as tenant="other"
+    kvguard_pod_reserved_blocks{pool,pod}                each pod's (routing: pick)
     kvguard_capacity_age_seconds{pool}                   age of the last capacity discovery
     kvguard_ledger_errors_total                          ledger calls that failed
     kvguard_config_reloads_total{result}                 result: applied|rejected; both series
@@ -106,6 +107,7 @@ MERGE_RULES: dict[str, Merge] = {
     "kvguard_queued_requests": Merge.SUM_LIVE,
     "kvguard_promised_blocks": Merge.MAX,
     "kvguard_tenant_reserved_blocks": Merge.MAX,
+    "kvguard_pod_reserved_blocks": Merge.MAX,
     "kvguard_ledger_available": Merge.MIN,
     "kvguard_capacity_known": Merge.MIN,
     "kvguard_ledger_replicas": Merge.MAX,
@@ -120,6 +122,8 @@ class LedgerView:
 
     reserved: dict[str, int] = field(default_factory=dict)  # pool -> blocks
     tenants: dict[str, dict[str, int]] = field(default_factory=dict)  # pool -> tenant -> blocks
+    # pool -> pod -> blocks, for the pods discovered now (the label's values are bounded by them)
+    pods: dict[str, dict[str, int]] = field(default_factory=dict)
     capacity: dict[str, int] = field(default_factory=dict)  # pool -> blocks
     used: dict[str, int] = field(default_factory=dict)  # pool -> blocks vLLM holds
     preemptions: dict[str, int] = field(default_factory=dict)  # pool -> since kvguard started
@@ -238,6 +242,11 @@ class Metrics:
             description="KV blocks reserved per tenant: the top tenants, the rest as 'other'",
         )
         meter.create_observable_gauge(
+            "kvguard_pod_reserved_blocks",
+            callbacks=[self._observe_pods],
+            description="KV blocks reserved on each pod the pool discovered (routing: pick)",
+        )
+        meter.create_observable_gauge(
             "kvguard_ledger_available",
             callbacks=[self._single(lambda: self.view.ledger_available)],
             description="1 while the ledger is reachable (always on memory://), 0 while not",
@@ -313,6 +322,11 @@ class Metrics:
             return [] if current is None else [Observation(current)]
 
         return observe
+
+    def _observe_pods(self, _: CallbackOptions) -> Iterable[Observation]:
+        for pool, pods in self.view.pods.items():
+            for pod, blocks in pods.items():
+                yield Observation(blocks, {"pool": pool, "pod": pod})
 
     def _observe_tenants(self, _: CallbackOptions) -> Iterable[Observation]:
         for pool, tenants in self.view.tenants.items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -12,7 +13,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from kvguard import config as configs
 from kvguard.app import Service
-from kvguard.ledger import Claim, Outcome
+from kvguard.ledger import Claim, Outcome, PodLimit
 from kvguard.ledger.redis_ledger import RedisLedger
 from kvguard.testing import free_port
 from kvguard.testing.redis import RedisServer
@@ -57,6 +58,28 @@ async def test_status_reads_pools_and_tenants_from_redis(tmp_path: Path) -> None
     assert lines[2].split() == ["qwen", "1000", "850", "157", "843", "3"]
     assert lines[3] == "pool qwen, reserved blocks per tenant:"
     assert [line.split() for line in lines[4:]] == [["acme", "150"], ["b", "7"]]
+
+
+@pytest.mark.redis
+async def test_status_shows_the_blocks_reserved_on_each_pod(tmp_path: Path) -> None:
+    pods = (PodLimit("10.0.0.2:8000", 500), PodLimit("10.0.0.1:8000", 500))
+    with RedisServer(tmp_path / "redis") as redis:
+        ledger = RedisLedger.from_url(redis.url)
+        try:
+            for lease_id, blocks in (("1", 120), ("2", 30)):
+                claim = replace(Claim(lease_id, "qwen", "acme", blocks, 850, 400, 60), pods=pods)
+                assert (await ledger.reserve(claim)).outcome is Outcome.ADMITTED
+        finally:
+            await ledger.close()
+        code, out, err = await status(redis_config(tmp_path, redis.url))
+    assert code == 0, err
+    lines = out.splitlines()
+    at = lines.index("pool qwen, reserved blocks per pod:")
+    # The first on the first pod of a tie, the second where more stays free: by address here.
+    assert [line.split() for line in lines[at + 1 :]] == [
+        ["10.0.0.1:8000", "30"],
+        ["10.0.0.2:8000", "120"],
+    ]
 
 
 @pytest.mark.redis  # its server is never started, but RedisServer needs the binary

@@ -76,6 +76,12 @@ async def test_each_request_is_sent_to_the_pod_it_is_reserved_on(tmp_path: Path)
         assert picked == [pods[0], pods[1], pods[0]]
         usage = await service.ledger.usage("qwen")
         assert usage.pods == {pods[0]: 2, pods[1]: 1}
+        # The gauge kvguard_pod_reserved_blocks reads the same, one series per pod read.
+        await wait_until(
+            lambda: service.metrics.view.pods == {"qwen": {pods[0]: 2, pods[1]: 1}},
+            lambda: f"the view's pods ({service.metrics.view.pods})",
+            timeout_s=10,
+        )
         for call in calls:
             await call.done_writing()
         await wait_until(lambda: _reserved(service, 0), "every lease released", timeout_s=10)

@@ -237,6 +237,7 @@ def test_every_exposed_family_has_its_rule() -> None:
     view.used, view.waiting, view.trust = {"qwen": 5}, {"qwen": 1}, {"qwen": 0.5}
     view.promised, view.capacity_age_s = {"qwen": 3}, {"qwen": 2.0}
     view.tenants, view.replicas = {"qwen": {"acme": 8}}, 2
+    view.pods = {"qwen": {"10.0.0.1:8000": 8}}
     families = text_string_to_metric_families(generate_latest(registry).decode())
     assert {exposed_name(f) for f in families} == set(MERGE_RULES)
 
