@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -40,16 +39,30 @@ def redis_config(tmp_path: Path, url: str) -> Path:
     return write_config(tmp_path, data)
 
 
+async def admit(url: str, claims: list[Claim]) -> None:
+    """Reserve each of `claims` in the Redis at `url`; each must be admitted."""
+    ledger = RedisLedger.from_url(url)
+    try:
+        for claim in claims:
+            assert (await ledger.reserve(claim)).outcome is Outcome.ADMITTED
+    finally:
+        await ledger.close()
+
+
 @pytest.mark.redis
 async def test_status_reads_pools_and_tenants_from_redis(tmp_path: Path) -> None:
     with RedisServer(tmp_path / "redis") as redis:
-        ledger = RedisLedger.from_url(redis.url)
-        try:
-            for lease_id, tenant, blocks in (("1", "acme", 120), ("2", "acme", 30), ("3", "b", 7)):
-                claim = Claim(lease_id, "qwen", tenant, blocks, 850, 400, 60)
-                assert (await ledger.reserve(claim)).outcome is Outcome.ADMITTED
-        finally:
-            await ledger.close()
+        await admit(
+            redis.url,
+            [
+                Claim(lease_id, "qwen", tenant, blocks, 850, 400, 60)
+                for lease_id, tenant, blocks in (
+                    ("1", "acme", 120),
+                    ("2", "acme", 30),
+                    ("3", "b", 7),
+                )
+            ],
+        )
         code, out, err = await status(redis_config(tmp_path, redis.url))
     assert code == 0, err
     lines = out.splitlines()
@@ -64,18 +77,19 @@ async def test_status_reads_pools_and_tenants_from_redis(tmp_path: Path) -> None
 async def test_status_shows_the_blocks_reserved_on_each_pod(tmp_path: Path) -> None:
     pods = (PodLimit("10.0.0.2:8000", 500), PodLimit("10.0.0.1:8000", 500))
     with RedisServer(tmp_path / "redis") as redis:
-        ledger = RedisLedger.from_url(redis.url)
-        try:
-            for lease_id, blocks in (("1", 120), ("2", 30)):
-                claim = replace(Claim(lease_id, "qwen", "acme", blocks, 850, 400, 60), pods=pods)
-                assert (await ledger.reserve(claim)).outcome is Outcome.ADMITTED
-        finally:
-            await ledger.close()
+        await admit(
+            redis.url,
+            [
+                Claim(i, "qwen", "acme", blocks, 850, 400, 60, pods=pods)
+                for i, blocks in (("1", 120), ("2", 30))
+            ],
+        )
         code, out, err = await status(redis_config(tmp_path, redis.url))
     assert code == 0, err
     lines = out.splitlines()
     at = lines.index("pool qwen, reserved blocks per pod:")
-    # The first on the first pod of a tie, the second where more stays free: by address here.
+    # The first on the first pod of a tie (10.0.0.2), the second where more stays free; listed
+    # by address.
     assert [line.split() for line in lines[at + 1 :]] == [
         ["10.0.0.1:8000", "30"],
         ["10.0.0.2:8000", "120"],
