@@ -53,10 +53,16 @@ others, so that the load's own CPU does not queue kvguard's work; `--share-cpus`
 process run on every CPU. `--processor noop` puts bench/noop_extproc.py (every message answered
 CONTINUE at once) in kvguard's place: the floor grpc.aio sets under kvguard's figures.
 
+`--body-mode streamed` configures the guarded Envoys' ext_proc as the Gateway API Inference
+Extension's gateways do (FULL_DUPLEX_STREAMED bodies both ways, the response headers and
+trailers sent); `--lb round_robin` gives the vllm cluster Envoy's default round robin instead of
+the shipped override_host policy.
+
     .venv/bin/python bench/bench_overhead.py [--quick] [--allocator jemalloc|system]
         [--share-cpus] [--processor kvguard|noop] [--ledger memory|redis]
         [--load-client http1|aiohttp] [--parse-only] [--stream-tokens N] [--token-gap-ms MS]
-        [--response-sample SHARE] [--streaming-only]
+        [--response-sample SHARE] [--streaming-only] [--body-mode buffered|streamed]
+        [--lb override_host|round_robin]
 """
 
 from __future__ import annotations
@@ -95,7 +101,10 @@ from kvguard.ops import grpc_io  # noqa: E402
 from kvguard.testing import free_port  # noqa: E402
 from kvguard.testing.envoy import (  # noqa: E402
     EXT_PROC_FILTER,
+    UPSTREAM_CLUSTER,
     EnvoyProcess,
+    cluster,
+    http_filter,
     http_filters,
     loopback_config,
     without_http_filter,
@@ -117,6 +126,8 @@ HISTORY_SHARE = 0.9  # of a `history` prompt's tokens, the part earlier requests
 MIX_EVERY = 20  # saturation mix: one request in this many carries a 32k-token prompt
 Post = Callable[[bytes, int], Awaitable[int]]  # post(body, i) -> HTTP status
 LOAD_CLIENT = "http1"  # the load processes' HTTP client (--load-client)
+BODY_MODE = "buffered"  # the guarded Envoys' ext_proc body mode (--body-mode)
+UPSTREAM_LB = "override_host"  # the vllm cluster's load balancing (--lb)
 STREAM_RATES = {True: (20,), False: (20, 50)}  # streams/s, with --quick and without
 # The key (a path into the configuration) of the share of guarded exchanges whose response
 # kvguard reads; --response-sample sets it where the schema has it.
@@ -835,6 +846,21 @@ def _cpus(share: bool) -> tuple[set[int] | None, set[int] | None]:
     return {cpus[-1]}, set(cpus[:-1])
 
 
+def as_configured(config: dict[str, Any]) -> dict[str, Any]:
+    """The shipped configuration with --body-mode and --lb applied."""
+    if UPSTREAM_LB == "round_robin":
+        cluster(config, UPSTREAM_CLUSTER).pop("load_balancing_policy")
+    if BODY_MODE == "streamed":
+        http_filter(config, EXT_PROC_FILTER)["processing_mode"].update(
+            request_body_mode="FULL_DUPLEX_STREAMED",
+            request_trailer_mode="SEND",
+            response_header_mode="SEND",
+            response_body_mode="FULL_DUPLEX_STREAMED",
+            response_trailer_mode="SEND",
+        )
+    return config
+
+
 async def main(
     quick: bool,
     allocator: str,
@@ -901,7 +927,7 @@ async def _bench(
     # upstream that answers at once, one in front of the streaming one.
     configs = {}
     for name, upstream_port in (("", upstream.port), ("streaming-", streaming_upstream.port)):
-        guarded_config = loopback_config(port, upstream_port)
+        guarded_config = as_configured(loopback_config(port, upstream_port))
         configs[f"{name}guarded"] = guarded_config
         configs[f"{name}bare"] = without_ext_proc(guarded_config)
     for name in configs:
@@ -951,6 +977,7 @@ async def _bench(
             results["processor"] = processor
             results["ledger"] = ledger_url.partition(":")[0]
             results["load_client"] = LOAD_CLIENT
+            results["body_mode"], results["lb"] = BODY_MODE, UPSTREAM_LB
             results["kvguard_cpus"] = sorted(kvguard_cpus) if kvguard_cpus else "shared"
             if processor == "kvguard" and not streams.only:  # the no-op in its place
                 processes[0].terminate()
@@ -1042,8 +1069,20 @@ if __name__ == "__main__":
         action="store_true",
         help="measure only the streamed answers (writes bench-results/overhead-streaming.json)",
     )
+    parser.add_argument(
+        "--body-mode",
+        choices=["buffered", "streamed"],
+        default="buffered",
+        help="the guarded Envoys' ext_proc bodies: buffered (shipped) or FULL_DUPLEX_STREAMED",
+    )
+    parser.add_argument(
+        "--lb",
+        choices=["override_host", "round_robin"],
+        default="override_host",
+        help="the vllm cluster's load balancing: override_host (shipped) or round robin",
+    )
     args = parser.parse_args()
-    LOAD_CLIENT = args.load_client
+    LOAD_CLIENT, BODY_MODE, UPSTREAM_LB = args.load_client, args.body_mode, args.lb
     if args.parse_only:
         parse_cost(PoolTokenizer.load(TOKENIZER))
         raise SystemExit(0)
