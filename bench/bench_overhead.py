@@ -104,9 +104,9 @@ from kvguard.testing.envoy import (  # noqa: E402
     UPSTREAM_CLUSTER,
     EnvoyProcess,
     cluster,
-    http_filter,
     http_filters,
     loopback_config,
+    streamed_bodies,
     without_http_filter,
 )
 from kvguard.testing.redis import RedisServer  # noqa: E402
@@ -850,15 +850,7 @@ def as_configured(config: dict[str, Any]) -> dict[str, Any]:
     """The shipped configuration with --body-mode and --lb applied."""
     if UPSTREAM_LB == "round_robin":
         cluster(config, UPSTREAM_CLUSTER).pop("load_balancing_policy")
-    if BODY_MODE == "streamed":
-        http_filter(config, EXT_PROC_FILTER)["processing_mode"].update(
-            request_body_mode="FULL_DUPLEX_STREAMED",
-            request_trailer_mode="SEND",
-            response_header_mode="SEND",
-            response_body_mode="FULL_DUPLEX_STREAMED",
-            response_trailer_mode="SEND",
-        )
-    return config
+    return streamed_bodies(config) if BODY_MODE == "streamed" else config
 
 
 async def main(

@@ -52,6 +52,7 @@ __all__ = [
     "on_upstreams",
     "original_dst",
     "render_envoy_config",
+    "streamed_bodies",
     "validate_envoy_config",
     "virtual_hosts",
     "without_http_filter",
@@ -122,6 +123,20 @@ def on_upstreams(config: Mapping[str, Any], ports: Sequence[int]) -> dict[str, A
         "endpoints": [{"lb_endpoints": hosts}],
     }
     return result
+
+
+def streamed_bodies(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` with kvguard's ext_proc filter as the Gateway API Inference Extension's gateways
+    configure it: FULL_DUPLEX_STREAMED bodies both ways, with the trailers (Envoy needs them
+    with that mode) and the response headers sent. Changed in place, and returned."""
+    http_filter(config, EXT_PROC_FILTER)["processing_mode"].update(
+        request_body_mode="FULL_DUPLEX_STREAMED",
+        request_trailer_mode="SEND",
+        response_header_mode="SEND",
+        response_body_mode="FULL_DUPLEX_STREAMED",
+        response_trailer_mode="SEND",
+    )
+    return config
 
 
 def original_dst(config: Mapping[str, Any]) -> dict[str, Any]:

@@ -10,8 +10,10 @@ from typing import Any
 import jsonschema
 import kubernetes_validate
 import pytest
+import yaml
 
 from tests.deploy.manifests import (
+    K8S,
     PICKERS,
     Resource,
     build,
@@ -137,6 +139,23 @@ def test_the_picker_serves_tls_from_its_secret(resources: tuple[Resource, ...]) 
     # The kubelet's gRPC probes speak no TLS: the probes look at the port.
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container(picker, "kvguard")[probe]["tcpSocket"] == {"port": 9002}
+
+
+def test_the_picker_fetches_the_tokenizer_as_the_sidecar_does(
+    resources: tuple[Resource, ...],
+) -> None:
+    """The same init container as components/kvguard-sidecar's (model, revision, folder), so
+    that the two never count with different tokenizer files."""
+    sidecar = yaml.safe_load((K8S / "components" / "kvguard-sidecar" / "sidecar.yaml").read_text())
+    (expected,) = [
+        c for c in pod_spec(sidecar)["initContainers"] if c["name"] == "kvguard-tokenizer"
+    ]
+    picker = find(resources, "Deployment", "kvguard-picker")
+    (fetcher,) = pod_spec(picker)["initContainers"]
+    assert {**fetcher, "image": expected["image"]} == expected
+    (pool,) = kvguard_config(resources).pools
+    env = {e["name"]: e.get("value") for e in fetcher["env"]}
+    assert env["TOKENIZER_DIR"] == pool.tokenizer
 
 
 def test_the_route_sends_the_gateways_requests_to_the_pool(

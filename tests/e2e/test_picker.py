@@ -22,7 +22,9 @@ from kvguard.extproc.picker import DESTINATION
 from kvguard.ops.discovery import pod_address
 from kvguard.testing.envoy import (
     EXT_PROC_FILTER,
+    UPSTREAM_CLUSTER,
     EnvoyProcess,
+    cluster,
     http_filter,
     loopback_config,
     on_upstreams,
@@ -30,9 +32,8 @@ from kvguard.testing.envoy import (
 )
 from kvguard.testing.upstream import RecordingUpstream
 from kvguard.testing.wait import wait_until
-from tests.extproc.harness import running
-from tests.ops.fakes import REAL_METRICS
-from tests.ops.test_discovery import with_labels
+from tests.extproc.harness import released, running
+from tests.ops.fakes import REAL_METRICS, with_labels
 
 LONG = {"model": "qwen", "messages": [{"role": "user", "content": "a story"}], "max_tokens": 512}
 SHORT = {**LONG, "max_tokens": 16}
@@ -46,24 +47,30 @@ async def two_pods(
     token_delay: float = 0.0,
     send_response_headers: bool = False,
     upstream: str = "override_host",
+    metrics: tuple[str, str] = (REAL_METRICS, REAL_METRICS),
+    refresh_seconds: float = 1,
 ) -> AsyncIterator[tuple[Service, EnvoyProcess, list[RecordingUpstream]]]:
     """kvguard reading two pods (and `extra`, which Envoy's cluster does not hold), behind
     Envoy whose vllm cluster holds the two (streaming a token every `token_delay` seconds),
     its ext_proc sent the response headers when asked; `upstream` "original_dst": the cluster
-    an ORIGINAL_DST one that reads the destination header instead."""
-    pods = [RecordingUpstream(metrics=REAL_METRICS, token_delay=token_delay) for _ in range(2)]
+    an ORIGINAL_DST one that reads the destination header instead; each pod serves its text of
+    `metrics`, read every `refresh_seconds`."""
+    pods = [RecordingUpstream(metrics=text, token_delay=token_delay) for text in metrics]
     async with AsyncExitStack() as stack:
-        for upstream in [*pods, *([extra] if extra else [])]:
-            await upstream.start()
-            stack.push_async_callback(upstream.stop)
+        for server in [*pods, *([extra] if extra else [])]:
+            await server.start()
+            stack.push_async_callback(server.stop)
         urls = [u.url for u in pods] + ([extra.url] if extra else [])
-        pool = {"capacity": {"endpoints": urls, "refresh_seconds": 1}}
+        pool = {"capacity": {"endpoints": urls, "refresh_seconds": refresh_seconds}}
         service, _ = await stack.enter_async_context(running(tmp_path, pool=pool))
         config = on_upstreams(loopback_config(service.grpc.port, 0), [u.port for u in pods])
         if upstream == "original_dst":
             config = original_dst(config)
         if send_response_headers:  # as the Gateway API Inference Extension's gateways do
             http_filter(config, EXT_PROC_FILTER)["processing_mode"]["response_header_mode"] = "SEND"
+        assert (cluster(config, UPSTREAM_CLUSTER)["type"] == "ORIGINAL_DST") == (
+            upstream == "original_dst"
+        )
         envoy = await stack.enter_async_context(EnvoyProcess(config, tmp_path))
         await envoy.wait_cluster_healthy("kvguard")
 
@@ -106,7 +113,7 @@ async def test_each_request_reaches_the_pod_it_is_reserved_on(
         usage = await service.ledger.usage("qwen")
         addresses = [pod_address(pod.url) for pod in pods]
         answers = await asyncio.gather(*sent)
-        await wait_until(lambda: _reserved(service, 0), "every lease released", timeout_s=10)
+        await wait_until(lambda: released(service), "every lease released", timeout_s=10)
     assert all(status == 200 for status, _ in answers), answers
     for pod, address in zip(pods, addresses, strict=True):
         for request in pod.requests:
@@ -150,18 +157,11 @@ async def test_each_models_requests_reach_its_own_pools_pods(tmp_path: Path) -> 
         for model in ["qwen", "other"] * 4:
             status, _ = await post(http, url, {**SHORT, "model": model}, headers)
             assert status == 200
-
-        async def released() -> bool:
-            usages = [await service.ledger.usage(pool) for pool in ("qwen", "other")]
-            return all(usage.reserved == 0 for usage in usages)
-
-        await wait_until(released, "every lease released", timeout_s=10)
+        await wait_until(
+            lambda: released(service, ("qwen", "other")), "every lease released", timeout_s=10
+        )
     models = [[r.json()["model"] for r in pod.requests] for pod in pods]
     assert models == [["qwen"] * 4, ["other"] * 4]
-
-
-async def _reserved(service: Service, blocks: int) -> bool:
-    return (await service.ledger.usage("qwen")).reserved == blocks
 
 
 async def test_a_lease_follows_its_request_to_the_pod_that_served_it(tmp_path: Path) -> None:
@@ -192,5 +192,26 @@ async def test_a_lease_follows_its_request_to_the_pod_that_served_it(tmp_path: P
 
         await wait_until(moved, "the lease on the pod that served it", timeout_s=10)
         status, _ = await task
-        await wait_until(lambda: _reserved(service, 0), "the lease released", timeout_s=10)
+        await wait_until(lambda: released(service), "the lease released", timeout_s=10)
     assert status == 200 and not larger.requests
+
+
+async def test_a_pod_that_refuses_the_connection_is_retried_on_another(tmp_path: Path) -> None:
+    """The pod kvguard picks (the one with more free blocks, read before it went away) refuses
+    the connection: Envoy's retry sends the request to the other pod, and it is answered."""
+    larger = with_labels(REAL_METRICS, num_gpu_blocks="101")
+    async with (
+        two_pods(tmp_path, metrics=(larger, REAL_METRICS), refresh_seconds=60) as (
+            service,
+            envoy,
+            pods,
+        ),
+        aiohttp.ClientSession() as http,
+    ):
+        gone = pod_address(pods[0].url)
+        await pods[0].stop()  # its last reading stands: it is still the pick
+        status, _ = await post(http, f"{envoy.url}/v1/chat/completions", SHORT)
+        await wait_until(lambda: released(service), "the lease released", timeout_s=10)
+    assert status == 200
+    (request,) = pods[1].requests
+    assert request.headers[DESTINATION] == gone

@@ -10,12 +10,11 @@ from typing import Any
 
 import aiohttp
 
-from kvguard.testing.envoy import EnvoyProcess, http_filter, loopback_config
+from kvguard.testing.envoy import EnvoyProcess, loopback_config, streamed_bodies
 from kvguard.testing.upstream import RecordingUpstream
 from kvguard.testing.wait import wait_until
 from tests.extproc.harness import reserved, running
 
-EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 TIERS = {
     "free": {"max_tokens_cap": 64, "default_max_tokens": 32, "max_blocks": 40},
     "pro": {"max_tokens_cap": 512, "default_max_tokens": 128, "max_blocks": 10_000},
@@ -24,18 +23,9 @@ CHAT = {"model": "qwen", "messages": [{"role": "user", "content": "Say hello in 
 
 
 def streamed_config(kvguard_port: int, upstream_port: int) -> dict[str, Any]:
-    """The shipped configuration with both bodies FULL_DUPLEX_STREAMED (Envoy needs the
-    trailers sent with them), as GIE gateways configure ext_proc."""
-    config = loopback_config(kvguard_port, upstream_port)
-    mode = http_filter(config, EXT_PROC_FILTER)["processing_mode"]
-    mode.update(
-        request_body_mode="FULL_DUPLEX_STREAMED",
-        request_trailer_mode="SEND",
-        response_header_mode="SEND",
-        response_body_mode="FULL_DUPLEX_STREAMED",
-        response_trailer_mode="SEND",
-    )
-    return config
+    """The shipped configuration with both bodies FULL_DUPLEX_STREAMED, as GIE gateways
+    configure ext_proc."""
+    return streamed_bodies(loopback_config(kvguard_port, upstream_port))
 
 
 async def test_streamed_bodies_are_decided_whole_and_pass_whole(tmp_path: Path) -> None:

@@ -112,3 +112,9 @@ def refusal(answer: pb.ProcessingResponse) -> tuple[int, dict[str, str], dict[st
 
 async def reserved(service: Service) -> int:
     return (await service.ledger.usage("qwen")).reserved
+
+
+async def released(service: Service, pools: tuple[str, ...] = ("qwen",)) -> bool:
+    """Whether the ledger holds nothing in `pools`: every lease of the load is released."""
+    usages = [await service.ledger.usage(pool) for pool in pools]
+    return all(usage.reserved == 0 for usage in usages)

@@ -23,6 +23,7 @@ from tests.extproc.harness import (
     body,
     headers,
     refusal,
+    released,
     reserved,
     running,
     set_headers,
@@ -140,11 +141,7 @@ async def test_large_prompt_in_flight_does_not_hold_back_a_small_decision(
         assert hdrs["x-kvguard-prompt-tokens"] == str(small_tokens)
         for call in (big, small):
             await call.done_writing()
-        await wait_until(lambda: _released(service), "every lease to be released")
-
-
-async def _released(service: Service) -> bool:
-    return await reserved(service) == 0
+        await wait_until(lambda: released(service), "every lease to be released")
 
 
 async def test_a_slow_decision_asks_envoy_for_more_time(
@@ -182,7 +179,7 @@ async def test_a_stream_gone_while_counting_reserves_nothing(
         after = await open_call(stub, "/v1/chat/completions", chat("hi"))
         assert (await body_answer(after))[0].WhichOneof("response") == "request_body"
         await after.done_writing()
-        await wait_until(lambda: _released(service), "every lease to be released")
+        await wait_until(lambda: released(service), "every lease to be released")
         assert service.keeper.open_leases == 0
 
 
@@ -225,7 +222,7 @@ async def test_a_flood_of_large_prompts_is_bounded(
         assert spy.most_running == 2  # never more counts at once than worker threads
         for call in calls:
             await call.done_writing()
-        await wait_until(lambda: _released(service), "every lease to be released")
+        await wait_until(lambda: released(service), "every lease to be released")
         assert service.admission.counter.pending_bytes == 0
 
 

@@ -18,7 +18,15 @@ from kvguard.extproc import picker
 from kvguard.extproc.responses import METADATA_NAMESPACE
 from kvguard.ops.discovery import pod_address
 from kvguard.testing.wait import wait_until
-from tests.extproc.harness import body, exchange, headers, refusal, response_headers, running
+from tests.extproc.harness import (
+    body,
+    exchange,
+    headers,
+    refusal,
+    released,
+    response_headers,
+    running,
+)
 from tests.extproc.harness import set_headers as sent_headers
 from tests.ops.fakes import REAL_METRICS, fake_vllms
 
@@ -84,11 +92,7 @@ async def test_each_request_is_sent_to_the_pod_it_is_reserved_on(tmp_path: Path)
         )
         for call in calls:
             await call.done_writing()
-        await wait_until(lambda: _reserved(service, 0), "every lease released", timeout_s=10)
-
-
-async def _reserved(service: Service, blocks: int) -> bool:
-    return (await service.ledger.usage("qwen")).reserved == blocks
+        await wait_until(lambda: released(service), "every lease released", timeout_s=10)
 
 
 async def test_the_gateways_subset_restricts_the_pods(tmp_path: Path) -> None:
@@ -108,7 +112,7 @@ async def test_the_gateways_subset_restricts_the_pods(tmp_path: Path) -> None:
         status, sent, error = refusal(answer)
         assert (status, sent["x-kvguard-reason"]) == (503, "no_endpoint_in_subset")
         assert error["error"]["code"] == "no_endpoint_in_subset"
-        await wait_until(lambda: _reserved(service, 0), "nothing held", timeout_s=10)
+        await wait_until(lambda: released(service), "nothing held", timeout_s=10)
 
 
 async def test_a_lease_served_by_another_pod_moves_there(tmp_path: Path) -> None:
@@ -124,4 +128,4 @@ async def test_a_lease_served_by_another_pod_moves_there(tmp_path: Path) -> None
 
         await wait_until(moved, "the lease on the pod that served it", timeout_s=10)
         await call.done_writing()
-        await wait_until(lambda: _reserved(service, 0), "the lease released", timeout_s=10)
+        await wait_until(lambda: released(service), "the lease released", timeout_s=10)

